@@ -1,0 +1,45 @@
+"""Reference cache write: scatter a step's new K/V into their paged-cache slots.
+
+    kv_cache[0 | 1].view(num_blocks * block_size, Hkv, D)[slot_mapping[t]] = key | value[t]
+
+Slots of -1 are skipped. With an fp8 cache the value stored is ``x / scale`` saturated to
+the e4m3 range and rounded to nearest even.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = 448.0
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x / scale in float32, clamped to +-448, cast to e4m3 (round to nearest even)."""
+    y = x.float() / scale.float()
+    return y.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+def write_kv_cache_ref(
+    key: torch.Tensor,  # [T, Hkv, D]
+    value: torch.Tensor,  # [T, Hkv, D]
+    kv_cache: torch.Tensor,  # [2, num_blocks, block_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # int64 [T]
+    k_scale: torch.Tensor | None = None,  # float32 scalar, used when the cache is fp8
+    v_scale: torch.Tensor | None = None,
+) -> None:
+    if key.shape[0] == 0:
+        return
+    nb, bs = kv_cache.shape[1], kv_cache.shape[2]
+    flat = kv_cache.view(2, nb * bs, kv_cache.shape[3], kv_cache.shape[4])
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k, v = key[keep], value[keep]
+    if kv_cache.dtype == FP8_DTYPE:
+        one = torch.ones((), dtype=torch.float32, device=key.device)
+        k = quantize_fp8(k, k_scale if k_scale is not None else one)
+        v = quantize_fp8(v, v_scale if v_scale is not None else one)
+    else:
+        k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    flat[0, slots] = k
+    flat[1, slots] = v

@@ -1,0 +1,105 @@
+"""Reference paged attention over the block table (the CPU path of the engine).
+
+One call serves every step the scheduler makes: decode (q_len 1), prefill, chunked
+prefill and prefix-cache hits. Request i's new queries are rows
+``query_start_loc[i]:query_start_loc[i+1]`` and sit at positions
+``ctx_i .. seq_lens[i]-1`` with ``ctx_i = seq_lens[i] - q_len_i``; query j attends to
+cached positions ``0 .. ctx_i + j`` (causal), optionally only the last ``sliding_window``.
+
+Math in float32; fp8 caches are dequantized with ``k_scale`` / ``v_scale``. Decode rows
+are done in one padded batch; requests with several new tokens one at a time.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int, scale: torch.Tensor | None) -> torch.Tensor:
+    """cache [NB, BS, Hkv, D], block_ids [..., nblk] -> [..., length, Hkv, D] float32."""
+    bs = cache.shape[1]
+    x = cache[block_ids.long()]  # [..., nblk, BS, Hkv, D]
+    x = x.reshape(*block_ids.shape[:-1], block_ids.shape[-1] * bs, cache.shape[2], cache.shape[3])
+    x = x[..., :length, :, :].float()
+    if scale is not None:
+        x = x * scale.float()
+    return x
+
+
+def _attend(
+    q: torch.Tensor,  # [B, Q, H, D] float32
+    k: torch.Tensor,  # [B, L, Hkv, D] float32
+    v: torch.Tensor,  # [B, L, Hkv, D] float32
+    mask: torch.Tensor,  # [B, Q, L] bool, True = attend
+    scale: float,
+) -> torch.Tensor:  # [B, Q, H, D] float32
+    b, nq, h, d = q.shape
+    hkv = k.shape[2]
+    g = h // hkv
+    qg = q.view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
+    kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
+    s = torch.matmul(qg, kt) * scale  # [B, Hkv, G, Q, L]
+    s = s.masked_fill(~mask[:, None, None], float("-inf"))
+    p = torch.softmax(s, dim=-1)
+    p = torch.nan_to_num(p, nan=0.0)  # rows with nothing to attend (padding) -> 0
+    o = torch.matmul(p, v.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, Q, D]
+    return o.permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
+
+
+def paged_attention_ref(
+    query: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [T, H, D], dtype of query
+    t, h, d = query.shape
+    out = torch.zeros((t, h, d), dtype=torch.float32, device=query.device)
+    if t == 0:
+        return out.to(query.dtype)
+    bs = kv_cache.shape[2]
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    ks = k_scale if fp8 else None
+    vs = v_scale if fp8 else None
+    qsl = query_start_loc.tolist()
+    lens = seq_lens.tolist()
+    qlens = [qsl[i + 1] - qsl[i] for i in range(len(lens))]
+
+    decode = [i for i, ql in enumerate(qlens) if ql == 1]
+    if decode:
+        idx = torch.tensor(decode, device=query.device)
+        max_len = max(lens[i] for i in decode)
+        nblk = (max_len + bs - 1) // bs
+        bt = block_tables[idx, :nblk]
+        k = _gather(kv_cache[0], bt, max_len, ks)
+        v = _gather(kv_cache[1], bt, max_len, vs)
+        sl = seq_lens[idx].long()
+        pos = torch.arange(max_len, device=query.device)
+        mask = pos[None, :] < sl[:, None]
+        if sliding_window is not None:
+            mask &= pos[None, :] > (sl[:, None] - 1 - sliding_window)
+        rows = torch.tensor([qsl[i] for i in decode], device=query.device)
+        q = query[rows].float().unsqueeze(1)
+        out[rows] = _attend(q, k, v, mask[:, None, :], scale)[:, 0]
+
+    for i, ql in enumerate(qlens):
+        if ql <= 1:
+            continue
+        length = lens[i]
+        ctx = length - ql
+        nblk = (length + bs - 1) // bs
+        bt = block_tables[i, :nblk]
+        k = _gather(kv_cache[0], bt, length, ks)[None]
+        v = _gather(kv_cache[1], bt, length, vs)[None]
+        qpos = torch.arange(ql, device=query.device)[:, None] + ctx
+        kpos = torch.arange(length, device=query.device)[None, :]
+        mask = kpos <= qpos
+        if sliding_window is not None:
+            mask &= kpos > qpos - sliding_window
+        q = query[qsl[i] : qsl[i + 1]].float()[None]
+        out[qsl[i] : qsl[i + 1]] = _attend(q, k, v, mask[None], scale)[0]
+    return out.to(query.dtype)

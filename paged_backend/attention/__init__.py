@@ -1,0 +1,5 @@
+"""Attention backends: the model calls one through :class:`AttentionBackend`."""
+
+from paged_backend.attention.backend import AttentionBackend, AttentionMetadata, get_attention_backend
+
+__all__ = ["AttentionBackend", "AttentionMetadata", "get_attention_backend"]

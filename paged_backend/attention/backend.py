@@ -1,0 +1,72 @@
+"""The attention-backend interface and the per-step metadata the model runner builds.
+
+Tokens of all scheduled requests are flattened into one batch of ``T`` tokens::
+
+    query_start_loc  [0,        q0,          q0+q1,  ...,  T]      (int32, num_seqs+1)
+    seq_lens         [ctx0+q0,  ctx1+q1,     ...]                  (int32, num_seqs)
+    request i's new tokens are rows query_start_loc[i]:query_start_loc[i+1]; they sit at
+    positions seq_lens[i]-q_i .. seq_lens[i]-1 of that request and attend causally to
+    every earlier position (the cached context, read through block_tables[i]).
+
+    slot_mapping[t] = block_id * block_size + offset   (int64, T; -1 = do not write)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # int64 [T]
+    block_tables: torch.Tensor  # int32 [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor  # int32 [num_seqs]  context + new tokens
+    query_start_loc: torch.Tensor  # int32 [num_seqs + 1]
+    max_query_len: int
+    max_seq_len: int
+    block_size: int
+    # host copies, for backends that loop on the CPU
+    seq_lens_cpu: list[int] | None = None
+    query_lens_cpu: list[int] | None = None
+    sliding_window: int | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return int(self.seq_lens.shape[0])
+
+
+class AttentionBackend(Protocol):
+    """Writes the step's new K/V into the paged cache, then attends over it."""
+
+    name: str
+
+    def forward(
+        self,
+        query: torch.Tensor,  # [T, num_heads, head_dim]
+        key: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        value: torch.Tensor,  # [T, num_kv_heads, head_dim]
+        kv_cache: torch.Tensor,  # [2, num_blocks, block_size, num_kv_heads, head_dim]
+        meta: AttentionMetadata,
+        scale: float,
+        k_scale: torch.Tensor,  # float32 scalar tensor (1.0 unless the cache is fp8)
+        v_scale: torch.Tensor,
+    ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of query
+        ...
+
+
+def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    """``auto`` picks Triton on CUDA when it imports, the torch reference elsewhere."""
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        from paged_backend.attention.torch_backend import TorchAttentionBackend
+
+        return TorchAttentionBackend()
+    if name == "triton":
+        from paged_backend.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend()
+    raise ValueError(f"unknown attention backend {name!r}")

@@ -1,0 +1,89 @@
+"""Per-request sampling parameters, with the OpenAI / vLLM field names.
+
+Validation happens once, here: an invalid value raises ``pydantic.ValidationError``
+whose message names the field. Adapters turn that into a 400 / InvalidArgument.
+"""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_LOGPROBS = 20
+
+
+class SamplingParams(BaseModel):
+    """How to turn logits into tokens, and when to stop."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    n: int = Field(1, ge=1, le=128, description="parallel samples per prompt")
+    max_tokens: int | None = Field(16, ge=1, description="None: up to max_model_len")
+    min_tokens: int = Field(0, ge=0)
+    temperature: float = Field(1.0, ge=0.0, le=100.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0: disabled")
+    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    seed: int | None = None
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    stop: list[str] = Field(default_factory=list)
+    stop_token_ids: list[int] = Field(default_factory=list)
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    skip_special_tokens: bool = True
+    use_beam_search: bool = False
+    beam_width: int = Field(1, ge=1, le=64)
+    length_penalty: float = 1.0
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_as_list(cls, v: object) -> object:
+        if v is None:
+            return []
+        if isinstance(v, str):
+            return [v]
+        return v
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_nonempty(cls, v: list[str]) -> list[str]:
+        if any(s == "" for s in v):
+            raise ValueError("stop strings must not be empty")
+        return v
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _stop_ids_nonneg(cls, v: list[int]) -> list[int]:
+        if any(t < 0 for t in v):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return v
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SamplingParams:
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
+            )
+        if self.use_beam_search and self.beam_width < 2 and self.n < 2:
+            # beam search with one beam is greedy; allowed, but beam_width follows n
+            pass
+        return self
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < 1e-5
+
+    @property
+    def effective_top_k(self) -> int:
+        return 0 if self.top_k in (-1, 0) else self.top_k
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.presence_penalty != 0.0
+            or self.frequency_penalty != 0.0
+            or self.repetition_penalty != 1.0
+        )
