@@ -80,6 +80,9 @@ def paged_attention_ref(
         sl = seq_lens[idx].long()
         pos = torch.arange(max_len, device=query.device)
         mask = pos[None, :] < sl[:, None]
+        # slots past a row's length (padding, the null block, stale data) may hold NaN: 0 * NaN = NaN
+        k = k.masked_fill(~mask[:, :, None, None], 0.0)
+        v = v.masked_fill(~mask[:, :, None, None], 0.0)
         if sliding_window is not None:
             mask &= pos[None, :] > (sl[:, None] - 1 - sliding_window)
         rows = torch.tensor([qsl[i] for i in decode], device=query.device)

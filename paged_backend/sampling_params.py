@@ -34,6 +34,7 @@ class SamplingParams(BaseModel):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     skip_special_tokens: bool = True
+    detokenize: bool = True
     use_beam_search: bool = False
     beam_width: int = Field(1, ge=1, le=64)
     length_penalty: float = 1.0

@@ -1,0 +1,374 @@
+"""The adapter API: the one framework-neutral surface every serving adapter goes through.
+
+``EngineAdapter`` owns an ``AsyncEngine`` (start / ready / drain / shutdown), streams
+deltas with metrics recorded on the way, and is the single place where user-facing
+request fields become ``SamplingParams`` and where any refusal becomes an
+``AdapterError`` (message, offending field, kind -> HTTP status / Triton code).
+
+    adapter = EngineAdapter({"model": "SmolLM2-135M-Instruct"}); adapter.start()
+    params = build_sampling_params({"max_tokens": 32, "temperature": 0})
+    async for delta in adapter.generate("Hello", params): ...
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import types
+import typing
+import uuid
+from collections.abc import AsyncIterator, Mapping, Sequence
+from typing import Any, Literal
+
+import pydantic
+
+from paged_backend.config import EngineConfig
+from paged_backend.errors import EngineDeadError, InvalidRequestError
+from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+from .metrics import MetricsSink, PrometheusMetrics, RequestTimer
+
+logger = logging.getLogger(__name__)
+
+ErrorKind = Literal["invalid_request", "not_found", "unavailable", "internal"]
+_STATUS: dict[str, int] = {"invalid_request": 400, "not_found": 404, "unavailable": 503, "internal": 500}
+
+
+class AdapterError(Exception):
+    """A refused or failed request, as every adapter reports it (param = the offending field)."""
+
+    def __init__(self, message: str, *, param: str | None = None, code: str | None = None,
+                 kind: ErrorKind = "invalid_request") -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        self.kind = kind
+
+    @property
+    def status(self) -> int:
+        return _STATUS[self.kind]
+
+    def __repr__(self) -> str:
+        return f"AdapterError({self.message!r}, param={self.param!r}, kind={self.kind!r})"
+
+
+def to_adapter_error(exc: BaseException, field_names: Mapping[str, str] | None = None) -> AdapterError:
+    """Map any exception from validation or the engine onto ``AdapterError``.
+
+    ``field_names`` renames SamplingParams fields back to what the user sent
+    (``max_tokens`` -> ``max_completion_tokens``).
+    """
+    names = field_names or {}
+    if isinstance(exc, AdapterError):
+        return exc
+    if isinstance(exc, pydantic.ValidationError):
+        return _from_validation_error(exc, names)
+    if isinstance(exc, InvalidRequestError):
+        param = names.get(exc.param, exc.param) if exc.param else None
+        return AdapterError(exc.message, param=param, code=exc.code)
+    if isinstance(exc, EngineDeadError):
+        return AdapterError(str(exc), kind="unavailable")
+    if isinstance(exc, ValueError | TypeError):
+        return AdapterError(str(exc))
+    return AdapterError(f"Internal error: {type(exc).__name__}: {exc}", kind="internal")
+
+
+def _from_validation_error(exc: pydantic.ValidationError, names: Mapping[str, str]) -> AdapterError:
+    err = exc.errors(include_url=False)[0]
+    loc = [str(p) for p in err.get("loc", ())]
+    if loc:
+        loc[0] = names.get(loc[0], loc[0])
+    param = ".".join(loc) or None
+    msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+    if err.get("type") == "extra_forbidden":
+        return AdapterError(f"Unknown parameter '{param}'.", param=param)
+    if err.get("type") == "missing":
+        return AdapterError(f"Missing required parameter '{param}'.", param=param)
+    if param is None:
+        return AdapterError(msg)
+    return AdapterError(f"Invalid value for '{param}': {msg} (got {err.get('input')!r}).", param=param)
+
+
+# -- user-facing fields -> SamplingParams ------------------------------------------------
+
+def _scalar_types(annotation: Any) -> set[type]:
+    """The plain types a field accepts (``int | None`` -> {int}; ``list[str]`` -> {list})."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        out: set[type] = set()
+        for arg in typing.get_args(annotation):
+            out |= _scalar_types(arg)
+        return out
+    if origin is not None:
+        return {origin}
+    return {annotation} if isinstance(annotation, type) else set()
+
+
+def _coerce_string(name: str, value: str) -> Any:
+    """A string that stands for another type (Triton sends every parameter as JSON text)."""
+    field = SamplingParams.model_fields.get(name)
+    if field is None:
+        return value
+    accepted = _scalar_types(field.annotation) - {type(None)}
+    text = value.strip()
+    if list in accepted and text.startswith("["):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise AdapterError(f"Invalid value for '{name}': not a JSON list ({exc.msg}).", param=name) from exc
+    if str in accepted or list in accepted:
+        return value
+    if bool in accepted:
+        low = text.lower()
+        if low in ("true", "1", "yes"):
+            return True
+        if low in ("false", "0", "no"):
+            return False
+        raise AdapterError(f"Invalid value for '{name}': expected a boolean, got {value!r}.", param=name)
+    try:
+        if int in accepted:
+            as_float = float(text)
+            if not as_float.is_integer():
+                raise ValueError
+            return int(as_float)
+        if float in accepted:
+            return float(text)
+    except ValueError as exc:
+        kind = "an integer" if int in accepted else "a number"
+        raise AdapterError(f"Invalid value for '{name}': expected {kind}, got {value!r}.", param=name) from exc
+    return value
+
+
+def build_sampling_params(fields: Mapping[str, Any], *, field_names: Mapping[str, str] | None = None,
+                          coerce_strings: bool = False) -> SamplingParams:
+    """The one place user-facing request fields become ``SamplingParams``.
+
+    Keys are SamplingParams' (vLLM's) field names; unknown keys and bad values raise
+    ``AdapterError`` naming the field as the user called it (``field_names``).
+    ``coerce_strings`` converts string values to the field's type ("0.5" -> 0.5).
+    """
+    values = dict(fields)
+    if coerce_strings:
+        values = {k: _coerce_string(k, v) if isinstance(v, str) else v for k, v in values.items()}
+    try:
+        return SamplingParams(**values)
+    except pydantic.ValidationError as exc:
+        raise to_adapter_error(exc, field_names) from None
+
+
+# -- the engine behind the adapters ------------------------------------------------------
+
+class EngineAdapter:
+    """Lifecycle, generation, metrics and introspection of one engine, for any framework."""
+
+    def __init__(self, config: EngineConfig | Mapping[str, Any] | None = None, *,
+                 metrics: MetricsSink | Literal["prometheus"] | None = "prometheus") -> None:
+        try:
+            self.config = config if isinstance(config, EngineConfig) else EngineConfig(**dict(config or {}))
+        except pydantic.ValidationError as exc:
+            raise to_adapter_error(exc) from None
+        self.prometheus: PrometheusMetrics | None = None
+        if metrics == "prometheus":
+            self.prometheus = PrometheusMetrics(self.served_model_name, self.stats)
+            metrics = self.prometheus
+        self.sink: MetricsSink | None = metrics
+        self._engine: Any = None
+        self._load_error: BaseException | None = None
+        self._loaded = threading.Event()
+        self._cond = threading.Condition()
+        self._inflight = 0
+        self._draining = False
+        self._loader: threading.Thread | None = None
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    @property
+    def served_model_name(self) -> str:
+        return self.config.name
+
+    def start(self, *, background: bool = False) -> None:
+        """Load the model and start the engine loop; ``background`` returns at once."""
+        if self._loader is not None or self._loaded.is_set():
+            return
+        if background:
+            self._loader = threading.Thread(target=self._load, name="paged-backend-loader", daemon=True)
+            self._loader.start()
+            return
+        self._load()
+        if self._load_error is not None:
+            raise self._load_error
+
+    def _load(self) -> None:
+        from paged_backend.async_engine import AsyncEngine
+
+        try:
+            self._engine = AsyncEngine(self.config)
+            logger.info("engine ready: %s", self._engine.model_info())
+        except BaseException as exc:  # reported through is_ready / wait_ready, never lost
+            logger.exception("engine failed to start")
+            self._load_error = exc
+        finally:
+            self._loaded.set()
+
+    @property
+    def is_ready(self) -> bool:
+        return self._engine is not None and self._engine.is_ready and not self._draining
+
+    @property
+    def load_error(self) -> BaseException | None:
+        return self._load_error
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """Block until loaded; re-raises a load failure; False on timeout."""
+        if not self._loaded.wait(timeout):
+            return False
+        if self._load_error is not None:
+            raise self._load_error
+        return self.is_ready
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Refuse new requests and wait for in-flight ones; True if all finished in time."""
+        with self._cond:
+            self._draining = True
+            return self._cond.wait_for(lambda: self._inflight == 0, timeout)
+
+    def shutdown(self, drain_timeout: float = 0.0) -> None:
+        """Optionally drain, then stop the engine loop (pending requests end with an error)."""
+        if drain_timeout > 0:
+            self.drain(drain_timeout)
+        self._draining = True
+        if self._loader is not None:
+            self._loader.join()
+        if self._engine is not None:
+            self._engine.shutdown()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _require_engine(self) -> Any:
+        if self._draining:
+            raise AdapterError("The server is shutting down.", kind="unavailable")
+        if self._load_error is not None:
+            raise AdapterError(f"The model failed to load: {self._load_error!r}", kind="unavailable")
+        if self._engine is None or not self._engine.is_ready:
+            raise AdapterError("The model is still loading; retry shortly.", kind="unavailable")
+        return self._engine
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._require_engine().tokenizer
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                    chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
+        """Token ids of a conversation through the model's own chat template."""
+        tok = self.tokenizer
+        try:
+            text = tok.apply_chat_template([dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                                           tokenize=False, **dict(chat_template_kwargs or {}))
+        except Exception as exc:  # jinja errors from the template (roles, missing fields ...)
+            raise AdapterError(f"Cannot apply the chat template: {exc}", param="messages") from exc
+        return tok.encode(text, add_special_tokens=False)
+
+    async def generate(self, prompt: str | list[int], params: SamplingParams, *,
+                       request_id: str | None = None,
+                       field_names: Mapping[str, str] | None = None) -> AsyncIterator[RequestOutput]:
+        """Deltas of one request; ``AdapterError`` before the first if it is refused.
+
+        Leaving the loop early (break, cancellation, client gone) aborts the request
+        and frees its blocks.
+        """
+        engine = self._require_engine()
+        rid = request_id or uuid.uuid4().hex
+        timer = RequestTimer(self.sink)
+        with self._cond:
+            self._inflight += 1
+        stream = engine.generate(rid, prompt, params)
+        settled = False  # finished, or refused before it started
+        try:
+            try:
+                first = await stream.__anext__()
+            except StopAsyncIteration:
+                settled = True
+                return
+            except (InvalidRequestError, EngineDeadError, pydantic.ValidationError, ValueError) as exc:
+                settled = timer.done = True  # refused: not a served request
+                raise to_adapter_error(exc, field_names) from None
+            timer.on_delta(first)
+            settled = first.finished
+            yield first
+            if settled:
+                return
+            async for delta in stream:
+                timer.on_delta(delta)
+                settled = delta.finished
+                yield delta
+                if settled:
+                    return
+        except EngineDeadError as exc:
+            settled = True
+            raise to_adapter_error(exc) from None
+        finally:
+            if not settled:
+                timer.finish("abort")
+            try:
+                await stream.aclose()
+                if not settled:
+                    await engine.abort(rid)  # blocks are back in the pool before we return
+            finally:
+                with self._cond:
+                    self._inflight -= 1
+                    self._cond.notify_all()
+
+    async def complete(self, prompt: str | list[int], params: SamplingParams, *,
+                       request_id: str | None = None,
+                       field_names: Mapping[str, str] | None = None) -> RequestOutput:
+        """The whole output of one request (deltas merged)."""
+        acc: RequestOutput | None = None
+        async for delta in self.generate(prompt, params, request_id=request_id, field_names=field_names):
+            acc = merge_delta(acc, delta)
+        if acc is None:
+            raise AdapterError("The engine returned no output.", kind="internal")
+        return acc
+
+    async def abort(self, request_id: str) -> None:
+        """Abort a request; its KV blocks are free when this returns."""
+        if self._engine is not None:
+            await self._engine.abort(request_id)
+
+    # -- introspection -----------------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._engine.stats()) if self._engine is not None else {}
+
+    def model_info(self) -> dict[str, Any]:
+        info = dict(self._engine.model_info()) if self._engine is not None else {}
+        info["served_model_name"] = self.served_model_name
+        return info
+
+    def metrics_text(self) -> str:
+        """Prometheus exposition of the engine metrics (vLLM names); empty without prometheus."""
+        return self.prometheus.render() if self.prometheus is not None else ""
+
+
+def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold one delta into the accumulated output of its request (texts, ids, logprobs appended)."""
+    if acc is None:
+        acc = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.usage,
+                            delta.prompt_logprobs)
+    by_index = {c.index: c for c in acc.outputs}
+    for c in delta.outputs:
+        cur = by_index.setdefault(c.index, CompletionOutput(index=c.index,
+                                                             logprobs=[] if c.logprobs is not None else None))
+        cur.text += c.text
+        cur.token_ids = cur.token_ids + list(c.token_ids)
+        if c.logprobs is not None:
+            cur.logprobs = (cur.logprobs or []) + list(c.logprobs)
+        cur.finish_reason, cur.stop_reason = c.finish_reason, c.stop_reason
+        cur.cumulative_logprob, cur.num_output_tokens = c.cumulative_logprob, c.num_output_tokens
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished, acc.usage = delta.finished, delta.usage
+    if delta.prompt_logprobs is not None:
+        acc.prompt_logprobs = delta.prompt_logprobs
+    return acc

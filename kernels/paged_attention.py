@@ -1,0 +1,465 @@
+"""Paged attention in Triton: one kernel family for every step the scheduler makes.
+
+Decode, prefill, chunked prefill and prefix-cache hits are the same thing here: request
+i's new query rows ``query_start_loc[i]:query_start_loc[i+1]`` sit at positions
+``ctx_i .. seq_lens[i]-1`` and attend causally (optionally within a sliding window) to
+the request's cached keys, read page by page through ``block_tables[i]``. Contract and
+math as ``paged_attention_ref``.
+
+Work split. A program owns one (query tile, KV head[, context split]). A query tile is
+BLOCK_Q consecutive tokens of one request times the G = H / Hkv query heads sharing the
+KV head, packed into BLOCK_M = BLOCK_Q * G rows (row r = token r // G, head r % G), so
+GQA of any ratio reads each K/V tile once for all its heads::
+
+    grid axis 0: q tiles of all requests, request i's start at qsl[i] // BLOCK_Q + i
+                 (found by binary search; spare programs exit), axis 1: KV head,
+    axis 2: context split (flash decoding: few long requests still fill the GPU;
+            partial (acc, max, sum) per split, merged by _reduce_splits_kernel)
+
+    positions  0 ......... full_hi*TILE_N ....... q_first ... q_last
+               [ tiles seen whole by every row ][ causal tiles, masked ]
+
+Each KV tile of TILE_N positions gathers its rows from their pages (block id per position,
+int64 offsets). FP8 caches are dequantized in the kernel: K's scale folds into the score
+scale, V's into the output.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+from paged_backend.kernels._launch import (
+    FLOAT_DTYPES,
+    check_device,
+    check_tensor,
+    dot_dtype,
+    interpreting,
+    next_pow2,
+    scale_tensor,
+)
+from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def _attend_tiles(
+    acc,  # [BLOCK_M, D_PAD] float32
+    m_i,  # [BLOCK_M] float32, running max (log2 domain)
+    l_i,  # [BLOCK_M] float32, running sum
+    q,  # [BLOCK_M, D_PAD] DOT_DTYPE
+    k_base,  # pointer to this KV head in K cache [NB, BS, Hkv, D]
+    v_base,  # pointer to this KV head in V cache
+    bt_row,  # pointer to block_tables[seq] (int32 [max_blocks])
+    qpos,  # [BLOCK_M] int32, position of each row's query
+    seq_len,
+    window,
+    qk_scale,  # softmax scale * log2(e) (* k_scale for fp8)
+    tile_lo,
+    tile_hi,
+    stride_kb,
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    MASK: tl.constexpr,
+    SLIDING: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    """Online-softmax over KV tiles [tile_lo, tile_hi); MASK applies causal/length/window masks."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < HEAD_DIM
+    for j in range(tile_lo, tile_hi):
+        kpos = j * TILE_N + offs_n  # [TILE_N]
+        kmask = kpos < seq_len
+        if MASK:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+        else:
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
+        in_blk = (kpos % BLOCK_SIZE).to(tl.int64)
+        k_off = blk * stride_kb + in_blk * stride_ks  # [TILE_N] int64
+        v_off = blk * stride_vb + in_blk * stride_vs
+        k_ptrs = k_base + k_off[None, :] + offs_d[:, None]  # [D_PAD, TILE_N]
+        if MASK:
+            k = tl.load(k_ptrs, mask=kmask[None, :] & dmask[:, None], other=0.0)
+        elif D_PAD != HEAD_DIM:
+            k = tl.load(k_ptrs, mask=dmask[:, None], other=0.0)
+        else:
+            k = tl.load(k_ptrs)
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        if MASK:
+            keep = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
+            if SLIDING:
+                keep = keep & (kpos[None, :] > qpos[:, None] - window)
+            s = tl.where(keep, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        v_ptrs = v_base + v_off[:, None] + offs_d[None, :]  # [TILE_N, D_PAD]
+        if MASK:
+            v = tl.load(v_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0)
+        elif D_PAD != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    k_ptr,  # [NB, BS, Hkv, D]  (kv_cache[0])
+    v_ptr,  # [NB, BS, Hkv, D]  (kv_cache[1])
+    out_ptr,  # [T, H, D], or float32 [num_splits, T, H, D] partial sums when SPLIT
+    m_ptr,  # float32 [num_splits, T, H] partial max (log2 domain), SPLIT only
+    l_ptr,  # float32 [num_splits, T, H] partial sum, SPLIT only
+    bt_ptr,  # int32 [num_seqs, max_blocks]
+    seq_lens_ptr,  # int32 [num_seqs]
+    qsl_ptr,  # int32 [num_seqs + 1]
+    k_scale_ptr,  # float32 [1]
+    v_scale_ptr,  # float32 [1]
+    qk_scale,  # softmax scale * log2(e)
+    num_seqs,
+    num_splits,
+    window,
+    stride_qt,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_ot,
+    stride_oh,
+    stride_os,  # split stride of out/partials (SPLIT only)
+    stride_mt,  # token stride of m/l (SPLIT only)
+    stride_ms,  # split stride of m/l (SPLIT only)
+    stride_bt,
+    G: tl.constexpr,  # query heads per KV head
+    BLOCK_M: tl.constexpr,
+    BLOCK_Q: tl.constexpr,  # BLOCK_M // G query tokens per tile
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    FP8: tl.constexpr,
+    SLIDING: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,  # every request has <= 1 new token: no search, grid axis 0 = requests
+    DOT_DTYPE: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+
+    if DECODE_ONLY:  # one query token per request: program = request
+        seq = pid
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_tile = 0
+        if q_len == 0:
+            return
+    else:
+        # Request of this q tile: largest i with qsl[i] // BLOCK_Q + i <= pid (strictly increasing in i).
+        lo = pid * 0
+        hi = num_seqs - 1
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            start_mid = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
+            lo = tl.where(start_mid <= pid, mid, lo)
+            hi = tl.where(start_mid <= pid, hi, mid - 1)
+        seq = lo
+        q_start = tl.load(qsl_ptr + seq)
+        q_len = tl.load(qsl_ptr + seq + 1) - q_start
+        q_tile = pid - (q_start // BLOCK_Q + seq)
+        if q_tile * BLOCK_Q >= q_len:
+            return
+    seq_len = tl.load(seq_lens_ptr + seq)
+    ctx = seq_len - q_len
+
+    rows = tl.arange(0, BLOCK_M)
+    tok = q_tile * BLOCK_Q + rows // G  # token index within the request's new tokens
+    head = kvh * G + rows % G
+    row_ok = (rows // G < BLOCK_Q) & (tok < q_len)
+    qpos = ctx + tok
+    offs_d = tl.arange(0, D_PAD)
+    dmask = offs_d < HEAD_DIM
+    t_idx = (q_start + tok).to(tl.int64)
+    q_off = t_idx[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
+
+    scale = qk_scale
+    if FP8:
+        scale = qk_scale * tl.load(k_scale_ptr)
+
+    # KV positions this tile needs: [kv_lo, q_last], tiles of TILE_N.
+    q_first = ctx + q_tile * BLOCK_Q
+    q_last = tl.minimum(q_first + BLOCK_Q, seq_len) - 1
+    tile_lo = 0
+    if SLIDING:
+        tile_lo = tl.maximum(q_first - window + 1, 0) // TILE_N
+    tile_end = q_last // TILE_N + 1
+    if SPLIT:
+        per = tl.cdiv(tile_end - tile_lo, num_splits)
+        t0 = tl.minimum(tile_lo + split * per, tile_end)
+        t1 = tl.minimum(t0 + per, tile_end)
+    else:
+        t0 = tile_lo
+        t1 = tile_end
+    full_hi = t0  # with a sliding window every tile is masked
+    if not SLIDING:
+        full_hi = tl.minimum(tl.maximum((q_first + 1) // TILE_N, t0), t1)
+
+    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    k_base = k_ptr + kvh.to(tl.int64) * stride_kh
+    v_base = v_ptr + kvh.to(tl.int64) * stride_vh
+    bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, t0, full_hi,
+        stride_kb, stride_ks, stride_vb, stride_vs,
+        False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION,
+    )  # fmt: skip
+    acc, m_i, l_i = _attend_tiles(
+        acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, full_hi, t1,
+        stride_kb, stride_ks, stride_vb, stride_vs,
+        True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION,
+    )  # fmt: skip
+
+    if FP8:
+        acc = acc * tl.load(v_scale_ptr)
+    o_mask = row_ok[:, None] & dmask[None, :]
+    o_off = t_idx[:, None] * stride_ot + head[:, None].to(tl.int64) * stride_oh + offs_d[None, :]
+    if SPLIT:
+        tl.store(out_ptr + split.to(tl.int64) * stride_os + o_off, acc, mask=o_mask)
+        ml_off = split.to(tl.int64) * stride_ms + t_idx * stride_mt + head
+        tl.store(m_ptr + ml_off, m_i, mask=row_ok)
+        tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+    else:
+        l_safe = tl.where(l_i == 0.0, 1.0, l_i)
+        out = acc / l_safe[:, None]
+        tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
+
+
+@triton.jit
+def _reduce_splits_kernel(
+    part_ptr,  # float32 [num_splits, T, H, D]
+    m_ptr,  # float32 [num_splits, T, H]
+    l_ptr,  # float32 [num_splits, T, H]
+    out_ptr,  # [T, H, D]
+    qsl_ptr,  # int32 [num_seqs + 1]
+    num_seqs,
+    num_splits,
+    num_heads,
+    stride_ps,
+    stride_pt,
+    stride_ms,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    D_PAD: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+):
+    """Merge the splits' partial softmax sums of BLOCK_H heads of one token."""
+    t = tl.program_id(0).to(tl.int64)
+    if t >= tl.load(qsl_ptr + num_seqs):
+        return
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    hmask = h < num_heads
+    d = tl.arange(0, D_PAD)
+    mask = hmask[:, None] & (d < HEAD_DIM)[None, :]
+    m_run = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
+    for s in range(num_splits):
+        ml_off = s * stride_ms + t * num_heads + h
+        m = tl.load(m_ptr + ml_off, mask=hmask, other=float("-inf"))
+        l_s = tl.load(l_ptr + ml_off, mask=hmask, other=0.0)
+        part = tl.load(part_ptr + s * stride_ps + t * stride_pt + h[:, None] * HEAD_DIM + d[None, :], mask=mask,
+                       other=0.0)
+        m_new = tl.maximum(m_run, m)
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits weigh exp2(-inf) = 0
+        a = tl.math.exp2(m_run - m_use)
+        b = tl.math.exp2(m - m_use)
+        acc = acc * a[:, None] + part * b[:, None]
+        l_run = l_run * a + l_s * b
+        m_run = m_new
+    out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+    tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+@dataclass(frozen=True)
+class AttentionConfig:
+    """Tile shape and launch settings of one paged-attention launch."""
+
+    block_m: int  # query rows per program (tokens x heads of one KV head), power of 2 >= 16
+    tile_n: int  # KV positions per inner step, power of 2 >= 16
+    num_warps: int
+    num_stages: int
+
+
+def pick_config(max_query_len: int, group: int, head_dim: int, fp8: bool) -> AttentionConfig:
+    """Decode-shaped steps get small query tiles (memory bound); prefill big ones (matmul bound)."""
+    d_pad = next_pow2(head_dim)
+    if max_query_len * group <= 16:
+        return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=128 if fp8 else 64, num_warps=4,
+                               num_stages=3)
+    block_m = 128 if d_pad <= 128 else 64
+    return AttentionConfig(block_m=max(block_m, next_pow2(group)), tile_n=64, num_warps=8 if d_pad >= 128 else 4,
+                           num_stages=3 if d_pad <= 128 else 2)
+
+
+_SM_COUNT: dict[int, int] = {}
+
+
+def _sm_count(device: torch.device) -> int:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SM_COUNT:
+        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
+    return _SM_COUNT[idx]
+
+
+@functools.lru_cache(maxsize=4096)
+def _best_splits(num_programs: int, max_tiles: int, slots: int) -> int:
+    """Split count minimising waves x (tiles per split + fixed cost): a small cost model."""
+    best, best_cost = 1, float("inf")
+    for s in range(1, min(64, max(1, max_tiles // 2)) + 1):
+        waves = -(-num_programs * s // slots)
+        cost = waves * (-(-max_tiles // s) + 2)
+        if cost < best_cost:
+            best, best_cost = s, cost
+    return best
+
+
+def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
+    """Context splits so few long requests still fill the GPU; 1 on the CPU or when already full.
+
+    Assumes two programs resident per SM (the decode config's shared memory).
+    """
+    if device.type != "cuda":
+        return 1
+    slots = 2 * _sm_count(device)
+    if num_programs >= slots:
+        return 1
+    return _best_splits(num_programs, triton.cdiv(max_seq_len, tile_n), slots)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, H, D]
+    kv_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    scale: float,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    *,
+    max_query_len: int | None = None,
+    max_seq_len: int | None = None,
+    num_splits: int | None = None,
+    config: AttentionConfig | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, H, D], dtype of query
+    """Triton twin of ``paged_attention_ref``. Rows at or past ``query_start_loc[-1]`` are not written.
+
+    ``max_query_len``/``max_seq_len`` (host ints; computed with a device sync when omitted)
+    pick the tile shape and the number of context splits (``num_splits`` forces it).
+    """
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    device = check_device(query, "query")
+    t, h, d = query.shape
+    check_tensor("kv_cache", kv_cache, shape=(2, None, None, None, d), dtypes=(query.dtype, FP8_DTYPE),
+                 device=device)
+    bs, hkv = kv_cache.shape[2], kv_cache.shape[3]
+    if hkv == 0 or h % hkv:
+        raise ValueError(f"num_heads {h} must be a multiple of num_kv_heads {hkv}")
+    check_tensor("block_tables", block_tables, ndim=2, dtypes=(torch.int32,), device=device)
+    num_seqs = block_tables.shape[0]
+    check_tensor("seq_lens", seq_lens, shape=(num_seqs,), dtypes=(torch.int32,), device=device)
+    check_tensor("query_start_loc", query_start_loc, shape=(num_seqs + 1,), dtypes=(torch.int32,),
+                 device=device)
+    if out is None:
+        out = torch.empty((t, h, d), dtype=query.dtype, device=device)
+    else:
+        check_tensor("out", out, shape=(t, h, d), dtypes=(query.dtype,), device=device)
+    if t == 0 or num_seqs == 0:
+        return out
+    if sliding_window is not None and sliding_window <= 0:
+        raise ValueError(f"sliding_window must be positive, got {sliding_window}")
+    fp8 = kv_cache.dtype == FP8_DTYPE
+    ks = scale_tensor(k_scale, device, "k_scale")
+    vs = scale_tensor(v_scale, device, "v_scale")
+    if max_query_len is None:
+        max_query_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max().item())
+
+    group = h // hkv
+    cfg = config or pick_config(max_query_len, group, d, fp8)
+    if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
+        raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
+    block_q = cfg.block_m // group
+    decode_only = max_query_len <= 1
+    grid_q = num_seqs if decode_only else t // block_q + num_seqs
+    if num_splits is None:
+        busy = min(grid_q, num_seqs * triton.cdiv(max(max_query_len, 1), block_q))  # programs not exiting
+        num_splits = pick_num_splits(busy * hkv, max_seq_len, cfg.tile_n, device)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+
+    kc, vc = kv_cache[0], kv_cache[1]
+    if kc.stride(-1) != 1 or query.stride(-1) != 1 or out.stride(-1) != 1:
+        raise ValueError("query, kv_cache and out must be contiguous in head_dim")
+    split = num_splits > 1
+    if split:
+        part = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=device)
+        m_buf = torch.empty((num_splits, t, h), dtype=torch.float32, device=device)
+        l_buf = torch.empty_like(m_buf)
+        dst, o_st, o_sh, o_ss = part, part.stride(1), part.stride(2), part.stride(0)
+        m_st, m_ss = m_buf.stride(1), m_buf.stride(0)
+    else:
+        m_buf = l_buf = out  # unused
+        dst, o_st, o_sh, o_ss = out, out.stride(0), out.stride(1), 0
+        m_st = m_ss = 0
+    dot_dt = dot_dtype(query.dtype)
+    precision = "ieee" if query.dtype == torch.float32 or interpreting() else "tf32"
+    _paged_attention_kernel[(grid_q, hkv, num_splits)](
+        query, kc, vc, dst, m_buf, l_buf, block_tables, seq_lens, query_start_loc, ks, vs,
+        float(scale) * LOG2E, num_seqs, num_splits, int(sliding_window or 0),
+        query.stride(0), query.stride(1),
+        kc.stride(0), kc.stride(1), kc.stride(2),
+        vc.stride(0), vc.stride(1), vc.stride(2),
+        o_st, o_sh, o_ss, m_st, m_ss,
+        block_tables.stride(0),
+        G=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, BLOCK_SIZE=bs,
+        HEAD_DIM=d, D_PAD=next_pow2(d), FP8=fp8, SLIDING=sliding_window is not None, SPLIT=split,
+        DECODE_ONLY=decode_only, DOT_DTYPE=dot_dt, PRECISION=precision,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if split:
+        block_h = next_pow2(h) if interpreting() else 1  # the interpreter pays per program
+        _reduce_splits_kernel[(t, triton.cdiv(h, block_h))](
+            part, m_buf, l_buf, out, query_start_loc, num_seqs, num_splits, h,
+            part.stride(0), part.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
+            HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_H=block_h, num_warps=4,
+        )  # fmt: skip
+    return out
+

@@ -1,0 +1,126 @@
+"""Rotary embedding in Triton, neox style (HF's ``rotate_half``), query and key in one launch.
+
+The cos/sin table is the reference's: float32 ``[max_positions, D]``, cos in ``[:, :D/2]``,
+sin in ``[:, D/2:]`` (llama3/linear scaling are baked into it by ``rope_inv_freq``)::
+
+    out[:half] = x1 * cos - x2 * sin        out[half:] = x2 * cos + x1 * sin
+
+Every product and sum is rounded to the activation dtype as torch (and HF) round them,
+so results equal the reference bit for bit up to the table lookup.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tensor
+
+
+@triton.jit
+def _rotate_heads(
+    x_ptr,  # [T, NH, D] (this token's row is at x_ptr)
+    o_ptr,  # [T, NH, D] (this token's row is at o_ptr)
+    cos,  # [HALF_PAD] float32, already rounded to the dtype
+    sin,  # [HALF_PAD] float32
+    num_heads,
+    stride_h,
+    stride_oh,
+    HALF: tl.constexpr,
+    H_PAD: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+):
+    dt = o_ptr.dtype.element_ty
+    h = tl.arange(0, H_PAD)[:, None]
+    i = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < num_heads) & (i < HALF)
+    x1 = tl.load(x_ptr + h * stride_h + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + h * stride_h + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    c = cos[None, :]
+    s = sin[None, :]
+    a1 = (x1 * c).to(dt).to(tl.float32)
+    b1 = (-x2 * s).to(dt).to(tl.float32)
+    a2 = (x2 * c).to(dt).to(tl.float32)
+    b2 = (x1 * s).to(dt).to(tl.float32)
+    tl.store(o_ptr + h * stride_oh + i, (a1 + b1).to(dt), mask=mask)
+    tl.store(o_ptr + h * stride_oh + HALF + i, (a2 + b2).to(dt), mask=mask)
+
+
+@triton.jit
+def _rotary_kernel(
+    pos_ptr,  # int [T]
+    q_ptr,  # [T, H, D]
+    k_ptr,  # [T, Hkv, D]
+    cs_ptr,  # float32 [max_positions, D]: cos | sin
+    qo_ptr,  # [T, H, D] contiguous
+    ko_ptr,  # [T, Hkv, D] contiguous
+    num_q_heads,
+    num_k_heads,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_cs,
+    HALF: tl.constexpr,
+    HALF_PAD: tl.constexpr,
+    HQ_PAD: tl.constexpr,
+    HK_PAD: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + t).to(tl.int64)
+    i = tl.arange(0, HALF_PAD)
+    imask = i < HALF
+    dt = qo_ptr.dtype.element_ty
+    cos = tl.load(cs_ptr + pos * stride_cs + i, mask=imask, other=0.0).to(dt).to(tl.float32)
+    sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=imask, other=0.0).to(dt).to(tl.float32)
+    d = 2 * HALF
+    _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * num_q_heads * d, cos, sin, num_q_heads, stride_qh, d,
+                  HALF, HQ_PAD, HALF_PAD)
+    _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * num_k_heads * d, cos, sin, num_k_heads, stride_kh, d,
+                  HALF, HK_PAD, HALF_PAD)
+
+
+def rotary(
+    positions: torch.Tensor,  # int [T]
+    query: torch.Tensor,  # [T, H, D]
+    key: torch.Tensor,  # [T, Hkv, D]
+    cos_sin_cache: torch.Tensor,  # float32 [max_positions, D]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns new contiguous rotated (query, key) in their dtype (inputs may be strided views)."""
+    check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
+    device = check_device(query, "query")
+    t, h, d = query.shape
+    check_tensor("key", key, shape=(t, None, d), dtypes=(query.dtype,), device=device)
+    check_tensor("positions", positions, shape=(t,), dtypes=(torch.int32, torch.int64), device=device)
+    check_tensor("cos_sin_cache", cos_sin_cache, shape=(None, d), dtypes=(torch.float32,), device=device)
+    if d % 2:
+        raise ValueError(f"head_dim must be even for neox rotary, got {d}")
+    q_out = torch.empty((t, h, d), dtype=query.dtype, device=device)
+    k_out = torch.empty(key.shape, dtype=key.dtype, device=device)
+    if t == 0:
+        return q_out, k_out
+    half = d // 2
+    half_pad = triton.next_power_of_2(half)
+    hq_pad = triton.next_power_of_2(h)
+    hk_pad = triton.next_power_of_2(key.shape[1])
+    _rotary_kernel[(t,)](
+        positions,
+        query,
+        key,
+        cos_sin_cache,
+        q_out,
+        k_out,
+        h,
+        key.shape[1],
+        query.stride(0),
+        query.stride(1),
+        key.stride(0),
+        key.stride(1),
+        cos_sin_cache.stride(0),
+        HALF=half,
+        HALF_PAD=half_pad,
+        HQ_PAD=hq_pad,
+        HK_PAD=hk_pad,
+        num_warps=4 if hq_pad * half_pad <= 2048 else 8,
+    )
+    return q_out, k_out

@@ -1,0 +1,448 @@
+"""``paged-backend bench kernels``: check the Triton kernels against their references on the GPU,
+then time them and print a table (CUDA only).
+
+What is timed, and the ceiling each is held to (issue 3's minimums)::
+
+    ceilings     device copy (bytes read + written) and a bf16 GEMM, measured in the same run
+    decode       paged attention, one query token per request, 32 q heads over 8 KV heads,
+                 head_dim 128, batch x context grid; achieved bandwidth = (K/V + q + out) bytes / time,
+                 bf16 and fp8 KV (fp8 speed-up over bf16)
+    prefill      causal prefill of one 2k / 8k-token request, FLOP rate against
+                 torch's scaled_dot_product_attention on contiguous tensors
+    elementwise  cache write, RMSNorm (+residual), rotary, SiLU-and-mul at 8k tokens x 4096 hidden,
+                 bytes moved / time against the copy bandwidth
+
+Times are medians of ``triton.testing.do_bench`` (L2 flushed before every run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+GIB = 1 << 30
+SWEEP_SPLITS = {(1, 32768), (8, 4096), (8, 32768)}  # decode cells where --sweep times split counts
+SWEEP_TILES = {(8, 4096), (64, 4096)}  # ... and tile configs
+SWEEP_PREFILL = {8192}
+
+
+@dataclass
+class Row:
+    """One timed measurement."""
+
+    group: str
+    name: str
+    ms: float
+    metric: str  # "GB/s" or "TFLOP/s"
+    value: float
+    target: str = ""
+    ok: bool | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _parse_ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paged-backend bench kernels", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", nargs="+", choices=["ceilings", "decode", "prefill", "elementwise"], default=None,
+                   help="run only these groups (ceilings always run: the others are judged against them)")
+    p.add_argument("--batches", default="1,8,64,256", help="decode batch sizes")
+    p.add_argument("--contexts", default="512,4096,32768", help="decode context lengths")
+    p.add_argument("--prefill-lens", default="2048,8192", help="causal prefill lengths")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--tokens", type=int, default=8192, help="elementwise kernels: tokens")
+    p.add_argument("--hidden", type=int, default=4096, help="elementwise kernels: hidden size")
+    p.add_argument("--peak-bw", type=float, default=4.2e12, help="bandwidth the decode target is 80%% of")
+    p.add_argument("--sweep", action="store_true", help="also time split counts and tile configs")
+    p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
+    p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
+    p.add_argument("--json", default=None, help="write every row here as JSON")
+    return p
+
+
+class Bench:
+    """Holds the device, the timing settings and the rows measured so far."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        self.args = args
+        self.torch = torch
+        self.dev = torch.device("cuda")
+        self.rows: list[Row] = []
+        self.failures: list[str] = []
+        self.copy_bw = float("nan")
+
+    # -- helpers ------------------------------------------------------------------------
+
+    def time_ms(self, fn) -> float:
+        import triton
+
+        fn()
+        self.torch.cuda.synchronize()
+        return float(triton.testing.do_bench(fn, warmup=25, rep=self.args.rep, return_mode="median"))
+
+    def add(self, row: Row) -> Row:
+        self.rows.append(row)
+        flag = "" if row.ok is None else (" ok" if row.ok else " BELOW")
+        print(f"  {row.group:<11} {row.name:<44} {row.ms:9.4f} ms {row.value:9.1f} {row.metric:<7} "
+              f"{row.target}{flag}", flush=True)
+        return row
+
+    def check(self, name: str, got, ref, rel_tol: float) -> bool:
+        torch = self.torch
+        g, r = got.float(), ref.float()
+        err = ((g - r).norm() / r.norm().clamp_min(1e-30)).item()
+        finite = bool(torch.isfinite(g).all())
+        ok = finite and err < rel_tol
+        print(f"  check {name:<52} rel err {err:.2e} (< {rel_tol:g}) {'ok' if ok else 'FAIL'}", flush=True)
+        if not ok:
+            self.failures.append(name)
+        return ok
+
+    # -- ceilings -------------------------------------------------------------------------
+
+    def ceilings(self) -> None:
+        self._copy()
+        self._gemm()
+
+    def _copy(self) -> None:
+        torch = self.torch
+        n = GIB
+        src = torch.randn(n, dtype=torch.bfloat16, device=self.dev)
+        dst = torch.empty_like(src)
+        ms = self.time_ms(lambda: dst.copy_(src))
+        self.copy_bw = 2 * n * 2 / (ms * 1e-3)
+        self.add(Row("ceilings", "device copy 2 GiB (read + write)", ms, "GB/s", self.copy_bw / 1e9))
+
+    def _gemm(self) -> None:
+        torch = self.torch
+        a = torch.randn(8192, 8192, dtype=torch.bfloat16, device=self.dev)
+        b = torch.randn(8192, 8192, dtype=torch.bfloat16, device=self.dev)
+        ms = self.time_ms(lambda: a @ b)
+        self.add(Row("ceilings", "bf16 GEMM 8192^3", ms, "TFLOP/s", 2 * 8192**3 / (ms * 1e-3) / 1e12))
+
+    # -- decode ---------------------------------------------------------------------------
+
+    def _cache(self, num_blocks: int, fp8: bool):
+        """Random K/V cache; fp8 filled chunk by chunk from bf16 normals."""
+        torch = self.torch
+        a = self.args
+        shape = (2, num_blocks, a.block_size, a.kv_heads, a.head_dim)
+        if not fp8:
+            return torch.empty(shape, dtype=torch.bfloat16, device=self.dev).normal_()
+        from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+
+        cache = torch.empty(shape, dtype=FP8_DTYPE, device=self.dev)
+        step = max(1, (GIB // 2) // (a.block_size * a.kv_heads * a.head_dim))
+        for i in range(0, num_blocks, step):
+            chunk = torch.empty_like(cache[:, i : i + step], dtype=torch.bfloat16).normal_()
+            cache[:, i : i + step] = chunk.to(FP8_DTYPE)
+        return cache
+
+    def _decode_inputs(self, batch: int, ctx: int, perm):
+        torch = self.torch
+        a = self.args
+        nblk = math.ceil(ctx / a.block_size)
+        bt = perm[: batch * nblk].view(batch, nblk).to(torch.int32)
+        q = torch.randn((batch, a.heads, a.head_dim), dtype=torch.bfloat16, device=self.dev)
+        sl = torch.full((batch,), ctx, dtype=torch.int32, device=self.dev)
+        qsl = torch.arange(batch + 1, dtype=torch.int32, device=self.dev)
+        return q, bt, sl, qsl
+
+    def decode(self) -> None:
+        torch = self.torch
+        from paged_backend.kernels.paged_attention import paged_attention
+        from paged_backend.kernels.paged_attention_ref import paged_attention_ref
+
+        a = self.args
+        batches, contexts = _parse_ints(a.batches), _parse_ints(a.contexts)
+        max_blocks = max(b * math.ceil(c / a.block_size) for b in batches for c in contexts)
+        one = torch.ones((), device=self.dev)
+        results: dict[tuple[str, int, int], float] = {}
+        for kind in ("bf16", "fp8"):
+            cache = self._cache(max_blocks + 1, kind == "fp8")
+            g = torch.Generator(device=self.dev).manual_seed(0)
+            perm = torch.randperm(max_blocks, device=self.dev, generator=g) + 1
+            if not a.no_check:
+                cells = [(b, c) for b, c in ((8, 4096), (1, 32768), (3, 1000))
+                         if b * math.ceil(c / a.block_size) <= max_blocks] or [(batches[-1], contexts[-1])]
+                for b, c in cells:
+                    q, bt, sl, qsl = self._decode_inputs(b, c, perm)
+                    out = paged_attention(q, cache, bt, sl, qsl, a.head_dim**-0.5, one, one, max_query_len=1,
+                                          max_seq_len=c)
+                    ref = paged_attention_ref(q, cache, bt, sl, qsl, a.head_dim**-0.5, one, one)
+                    self.check(f"decode {kind} batch {b} ctx {c}", out, ref, 1e-2)
+            for b in batches:
+                for c in contexts:
+                    self._decode_cell(kind, b, c, cache, perm, results)
+            del cache
+            torch.cuda.empty_cache()
+
+    def _decode_cell(self, kind: str, b: int, c: int, cache, perm, results: dict) -> None:
+        torch = self.torch
+        from paged_backend.kernels.paged_attention import AttentionConfig, paged_attention, pick_config
+
+        a = self.args
+        fp8 = kind == "fp8"
+        one = torch.ones((), device=self.dev)
+        q, bt, sl, qsl = self._decode_inputs(b, c, perm)
+        kv_bytes = b * c * a.kv_heads * a.head_dim * 2 * cache.element_size()
+        io_bytes = 2 * q.numel() * q.element_size()
+
+        def run(ns=None, cfg=None):
+            return paged_attention(q, cache, bt, sl, qsl, a.head_dim**-0.5, one, one, max_query_len=1,
+                                   max_seq_len=c, num_splits=ns, config=cfg)
+
+        ms = self.time_ms(run)
+        bw = (kv_bytes + io_bytes) / (ms * 1e-3)
+        results[(kind, b, c)] = ms
+        target, ok = "", None
+        if b >= 8 and c >= 4096:
+            target, ok = ">= 80% of peak", bw >= 0.8 * a.peak_bw
+        if fp8 and ("bf16", b, c) in results:
+            sp = results[("bf16", b, c)] / ms
+            target += f" x{sp:.2f} vs bf16"
+            if c >= 4096:
+                target += " (>= 1.6)"
+                ok = (ok is not False) and sp >= 1.6
+        self.add(Row("decode", f"{kind} batch {b:>3} ctx {c:>5}", ms, "GB/s", bw / 1e9,
+                     f"{100 * bw / a.peak_bw:5.1f}% {target}", ok, {"batch": b, "ctx": c, "kv": kind}))
+        if not a.sweep:
+            return
+        best = (ms, "auto")
+        for ns in (1, 2, 4, 8, 16, 32, 64) if (b, c) in SWEEP_SPLITS else ():
+            if ns <= max(1, c // 256):
+                t = self.time_ms(lambda ns=ns: run(ns))
+                print(f"    splits={ns}: {t:.4f} ms", flush=True)
+                best = min(best, (t, f"splits={ns}"))
+        base = pick_config(1, a.heads // a.kv_heads, a.head_dim, fp8)
+        for tn in (64, 128) if (b, c) in SWEEP_TILES else ():
+            for nw in (4, 8):
+                for st in (2, 3, 4):
+                    cfg = AttentionConfig(base.block_m, tn, nw, st)
+                    try:
+                        t = self.time_ms(lambda cfg=cfg: run(None, cfg))
+                    except Exception as e:  # out of shared memory etc.
+                        print(f"    {cfg}: {type(e).__name__}", flush=True)
+                        continue
+                    best = min(best, (t, f"tile_n={tn} warps={nw} stages={st}"))
+        if best[1] != "auto" or (b, c) in SWEEP_SPLITS | SWEEP_TILES:
+            print(f"    sweep best: {best[1]} {best[0]:.4f} ms (auto {ms:.4f})", flush=True)
+
+    # -- prefill --------------------------------------------------------------------------
+
+    def prefill(self) -> None:
+        for n in _parse_ints(self.args.prefill_lens):
+            self._prefill_one(n)
+            self.torch.cuda.empty_cache()
+
+    def _prefill_one(self, n: int) -> None:
+        torch = self.torch
+        import torch.nn.functional as F
+
+        from paged_backend.kernels.cache_write import write_kv_cache
+        from paged_backend.kernels.paged_attention import AttentionConfig, paged_attention
+
+        a = self.args
+        h, hkv, d, bs = a.heads, a.kv_heads, a.head_dim, a.block_size
+        scale = d**-0.5
+        one = torch.ones((), device=self.dev)
+        nblk = math.ceil(n / bs)
+        cache = torch.empty((2, nblk + 1, bs, hkv, d), dtype=torch.bfloat16, device=self.dev).normal_()
+        g = torch.Generator(device=self.dev).manual_seed(1)
+        bt = (torch.randperm(nblk, device=self.dev, generator=g) + 1).to(torch.int32)[None]
+        q = torch.randn((n, h, d), dtype=torch.bfloat16, device=self.dev)
+        k = torch.randn((n, hkv, d), dtype=torch.bfloat16, device=self.dev)
+        v = torch.randn((n, hkv, d), dtype=torch.bfloat16, device=self.dev)
+        pos = torch.arange(n, device=self.dev)
+        slots = (bt[0].long()[pos // bs] * bs + pos % bs).contiguous()
+        write_kv_cache(k, v, cache, slots, one, one)
+        sl = torch.tensor([n], dtype=torch.int32, device=self.dev)
+        qsl = torch.tensor([0, n], dtype=torch.int32, device=self.dev)
+        # SDPA on contiguous [1, H, N, D]; K/V expanded to all heads, or GQA-native: the faster counts
+        qc = q.transpose(0, 1)[None].contiguous()
+        kc = k.transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1).contiguous()
+        vc = v.transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1).contiguous()
+        kg = k.transpose(0, 1)[None].contiguous()
+        vg = v.transpose(0, 1)[None].contiguous()
+
+        def ours(cfg=None):
+            return paged_attention(q, cache, bt, sl, qsl, scale, one, one, max_query_len=n, max_seq_len=n,
+                                   config=cfg)
+
+        def sdpa():
+            return F.scaled_dot_product_attention(qc, kc, vc, is_causal=True, scale=scale)
+
+        def sdpa_gqa():
+            return F.scaled_dot_product_attention(qc, kg, vg, is_causal=True, scale=scale, enable_gqa=True)
+
+        if not a.no_check:
+            self.check(f"prefill {n} vs SDPA", ours(), sdpa()[0].transpose(0, 1), 1e-2)
+        flops = 4 * h * d * n * (n + 1) / 2  # causal: QK^T and PV over the lower triangle
+        t_sdpa = self.time_ms(sdpa)
+        try:
+            t_gqa = self.time_ms(sdpa_gqa)
+        except Exception:  # older torch: no enable_gqa
+            t_gqa = float("inf")
+        t_ref = min(t_sdpa, t_gqa)
+        self.add(Row("prefill", f"SDPA causal {n} tokens (best of MHA/GQA)", t_ref, "TFLOP/s",
+                     flops / (t_ref * 1e-3) / 1e12, extra={"mha_ms": t_sdpa, "gqa_ms": t_gqa}))
+        ms = self.time_ms(ours)
+        ratio = t_ref / ms
+        self.add(Row("prefill", f"paged causal {n} tokens", ms, "TFLOP/s", flops / (ms * 1e-3) / 1e12,
+                     f"x{ratio:.2f} of SDPA (>= 0.8)", ratio >= 0.8, {"tokens": n}))
+        if not a.sweep or n not in SWEEP_PREFILL:
+            return
+        best = (ms, "auto")
+        for bm, tn, nw, st in [(128, 64, 8, 2), (128, 64, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2),
+                               (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 4, 3), (128, 64, 4, 3),
+                               (128, 32, 4, 4), (256, 64, 8, 2)]:
+            cfg = AttentionConfig(bm, tn, nw, st)
+            try:
+                t = self.time_ms(lambda cfg=cfg: ours(cfg))
+            except Exception as e:
+                print(f"    {cfg}: {type(e).__name__}", flush=True)
+                continue
+            print(f"    {cfg}: {t:.4f} ms ({flops / (t * 1e-3) / 1e12:.0f} TFLOP/s)", flush=True)
+            best = min(best, (t, str(cfg)))
+        print(f"    sweep best: {best[1]} {best[0]:.4f} ms (auto {ms:.4f})", flush=True)
+
+    # -- elementwise ----------------------------------------------------------------------
+
+    def _report_bw(self, name: str, ms: float, nbytes: float, ref_ms: float | None = None) -> None:
+        bw = nbytes / (ms * 1e-3)
+        extra = f" torch ref {ref_ms:.3f} ms" if ref_ms is not None else ""
+        self.add(Row("elementwise", name, ms, "GB/s", bw / 1e9,
+                     f"{100 * bw / self.copy_bw:5.1f}% of copy (>= 70%){extra}", bw >= 0.7 * self.copy_bw))
+
+    def elementwise(self) -> None:
+        self._rms_norm()
+        self._silu()
+        self._rotary()
+        self._cache_write()
+
+    def _rms_norm(self) -> None:
+        torch = self.torch
+        from paged_backend.kernels.rms_norm import rms_norm
+        from paged_backend.kernels.rms_norm_ref import rms_norm_ref
+
+        t, hid = self.args.tokens, self.args.hidden
+        x = torch.randn((t, hid), dtype=torch.bfloat16, device=self.dev)
+        r = torch.randn((t, hid), dtype=torch.bfloat16, device=self.dev)
+        w = torch.randn((hid,), dtype=torch.bfloat16, device=self.dev)
+        if not self.args.no_check:
+            self.check("rms_norm+residual", rms_norm(x, w, 1e-5, r)[0], rms_norm_ref(x, w, 1e-5, r)[0], 1e-2)
+        self._report_bw(f"rms_norm {t}x{hid} +residual", self.time_ms(lambda: rms_norm(x, w, 1e-5, r)),
+                        4 * t * hid * 2, self.time_ms(lambda: rms_norm_ref(x, w, 1e-5, r)))
+        self._report_bw(f"rms_norm {t}x{hid}", self.time_ms(lambda: rms_norm(x, w, 1e-5)), 2 * t * hid * 2)
+
+    def _silu(self) -> None:
+        torch = self.torch
+        from paged_backend.kernels.activation import silu_and_mul
+        from paged_backend.kernels.activation_ref import silu_and_mul_ref
+
+        t, hid = self.args.tokens, self.args.hidden
+        x = torch.randn((t, 2 * hid), dtype=torch.bfloat16, device=self.dev)
+        if not self.args.no_check:
+            self.check("silu_and_mul", silu_and_mul(x), silu_and_mul_ref(x), 1e-2)
+        self._report_bw(f"silu_and_mul {t}x2*{hid}", self.time_ms(lambda: silu_and_mul(x)), 3 * t * hid * 2,
+                        self.time_ms(lambda: silu_and_mul_ref(x)))
+
+    def _rotary(self) -> None:
+        torch = self.torch
+        from paged_backend.kernels.rotary import rotary
+        from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+
+        a = self.args
+        t, d = a.tokens, a.head_dim
+        h = a.hidden // d
+        q = torch.randn((t, h, d), dtype=torch.bfloat16, device=self.dev)
+        k = torch.randn((t, a.kv_heads, d), dtype=torch.bfloat16, device=self.dev)
+        table = rope_cos_sin_cache(rope_inv_freq(d, 500000.0), 8192).to(self.dev)
+        pos = torch.randint(0, 8192, (t,), device=self.dev)
+        if not a.no_check:
+            self.check("rotary q", rotary(pos, q, k, table)[0], rotary_ref(pos, q, k, table)[0], 1e-2)
+        nbytes = 2 * (q.numel() + k.numel()) * 2 + t * (d * 4 + 8)
+        self._report_bw(f"rotary {t}x({h}+{a.kv_heads})x{d}", self.time_ms(lambda: rotary(pos, q, k, table)),
+                        nbytes, self.time_ms(lambda: rotary_ref(pos, q, k, table)))
+
+    def _cache_write(self) -> None:
+        torch = self.torch
+        from paged_backend.kernels.cache_write import write_kv_cache
+        from paged_backend.kernels.cache_write_ref import FP8_DTYPE, write_kv_cache_ref
+
+        a = self.args
+        t, d, bs = a.tokens, a.head_dim, a.block_size
+        h = a.hidden // d
+        key = torch.randn((t, h, d), dtype=torch.bfloat16, device=self.dev)
+        val = torch.randn((t, h, d), dtype=torch.bfloat16, device=self.dev)
+        slots = torch.randperm(t, device=self.dev)
+        s = torch.tensor(0.5, device=self.dev)
+        for cdt, name in ((torch.bfloat16, "bf16"), (FP8_DTYPE, "fp8")):
+            cache = torch.zeros((2, t // bs, bs, h, d), dtype=cdt, device=self.dev)
+            if not a.no_check:
+                ref = cache.clone()
+                write_kv_cache(key, val, cache, slots, s, s)
+                write_kv_cache_ref(key, val, ref, slots, s, s)
+                same = torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+                print(f"  check cache_write {name:<40} bit-exact {'ok' if same else 'FAIL'}", flush=True)
+                if not same:
+                    self.failures.append(f"cache_write {name}")
+            nbytes = 2 * key.numel() * 2 + 2 * key.numel() * cache.element_size() + t * 8
+            self._report_bw(f"cache_write {t}x{h}x{d} K+V -> {name}",
+                            self.time_ms(lambda c=cache: write_kv_cache(key, val, c, slots, s, s)), nbytes)
+
+    # -- output ---------------------------------------------------------------------------
+
+    def summary(self) -> None:
+        print("\n| group | case | ms | rate | target |")
+        print("| --- | --- | ---: | ---: | --- |")
+        for r in self.rows:
+            flag = "" if r.ok is None else (" ok" if r.ok else " **below**")
+            print(f"| {r.group} | {r.name} | {r.ms:.4f} | {r.value:.1f} {r.metric} | {r.target}{flag} |")
+        if self.failures:
+            print(f"\nCHECKS FAILED: {', '.join(self.failures)}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of ``paged-backend bench kernels``; returns 1 when a check fails."""
+    args = build_parser().parse_args(argv)
+    import torch
+
+    if not torch.cuda.is_available():
+        print("bench kernels needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton
+
+    bench = Bench(args)
+    groups = args.only or ["ceilings", "decode", "prefill", "elementwise"]
+    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
+          f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+    bench.ceilings()
+    for g in ("decode", "prefill", "elementwise"):
+        if g in groups:
+            t0 = time.time()
+            getattr(bench, g)()
+            print(f"  [{g} took {time.time() - t0:.0f} s]", flush=True)
+    bench.summary()
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                       "triton": triton.__version__, "failures": bench.failures,
+                       "rows": [asdict(r) for r in bench.rows]}, f, indent=1)
+    return 1 if bench.failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

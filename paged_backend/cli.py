@@ -1,0 +1,126 @@
+"""``paged-backend`` command line: ``generate``, ``chat`` and ``bench {throughput,kernels}``.
+
+Engine flags use vLLM's names (``--max-num-seqs``, ``--kv-cache-dtype fp8`` ...); each
+maps one to one onto an :class:`EngineConfig` field.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from typing import Any
+
+from paged_backend.config import EngineConfig
+
+# flag -> (type, help); the destination is the EngineConfig field of the same name
+_ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
+    "--dtype": (str, "auto | float32 | bfloat16 | float16"),
+    "--device": (str, "auto | cpu | cuda"),
+    "--max-model-len": (int, "context length (prompt + output)"),
+    "--max-num-seqs": (int, "max requests per step"),
+    "--max-num-batched-tokens": (int, "token budget per step"),
+    "--block-size": (int, "KV block size (16, 32, 64)"),
+    "--kv-cache-dtype": (str, "auto | fp8"),
+    "--gpu-memory-utilization": (float, "fraction of GPU memory to use"),
+    "--kv-cache-memory-bytes": (int, "explicit KV-cache budget in bytes"),
+    "--num-gpu-blocks-override": (int, "exact number of KV blocks"),
+    "--tensor-parallel-size": (int, "GPUs to split the model over"),
+    "--quantization": (str, "awq | gptq | fp8 | compressed-tensors (checked against the checkpoint)"),
+    "--load-format": (str, "auto | safetensors | dummy (random weights)"),
+    "--attention-backend": (str, "auto | torch | triton"),
+    "--seed": (int, "engine seed"),
+    "--served-model-name": (str, "name reported by the API"),
+    "--log-stats-interval": (float, "seconds between stats lines (0: off)"),
+}
+_ENGINE_BOOLS = {
+    "--enable-prefix-caching": ("enable_prefix_caching", True),
+    "--no-enable-prefix-caching": ("enable_prefix_caching", False),
+    "--enable-chunked-prefill": ("enable_chunked_prefill", True),
+    "--no-enable-chunked-prefill": ("enable_chunked_prefill", False),
+    "--calculate-kv-scales": ("calculate_kv_scales", True),
+    "--disable-log-stats": ("disable_log_stats", True),
+}
+
+
+def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    if model_positional:
+        p.add_argument("--model", default="SmolLM2-135M-Instruct", help="HF model dir or the default model")
+    for flag, (typ, hlp) in _ENGINE_FLAGS.items():
+        p.add_argument(flag, type=typ, default=None, help=hlp)
+    for flag, (dest, value) in _ENGINE_BOOLS.items():
+        p.add_argument(flag, dest=dest, action="store_const", const=value, default=None)
+
+
+def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:
+    fields = {k: v for k, v in vars(args).items() if k in EngineConfig.model_fields and v is not None}
+    fields.update({k: v for k, v in overrides.items() if v is not None})
+    return EngineConfig(**fields)
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed-sample", dest="sample_seed", type=int, default=None)
+    p.add_argument("--n", type=int, default=1)
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    from paged_backend.llm import LLM
+    from paged_backend.sampling_params import SamplingParams
+
+    cfg = engine_config_from_args(args)
+    llm = LLM(**cfg.model_dump())
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.sample_seed, n=args.n)
+    if args.raw:
+        outs = llm.generate(args.prompts, params, use_tqdm=False)
+    else:
+        outs = llm.chat([[{"role": "user", "content": p}] for p in args.prompts], params, use_tqdm=False)
+    for prompt, out in zip(args.prompts, outs, strict=True):
+        if len(outs) > 1:
+            print(f"### {prompt}")
+        for c in out.outputs:
+            print(c.text.strip())
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="paged-backend", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    g = sub.add_parser("generate", help="generate answers for prompts (chat template unless --raw)")
+    g.add_argument("prompts", nargs="+")
+    g.add_argument("--raw", action="store_true", help="complete the prompt text as is, no chat template")
+    add_engine_args(g, model_positional=True)
+    _sampling_args(g)
+    g.set_defaults(func=_cmd_generate)
+
+    b = sub.add_parser("bench", help="benchmarks")
+    bsub = b.add_subparsers(dest="bench", required=True)
+    from paged_backend.bench import add_throughput_parser
+
+    add_throughput_parser(bsub)
+    k = bsub.add_parser("kernels", help="check, then time the Triton kernels (CUDA)", add_help=False)
+    k.add_argument("rest", nargs=argparse.REMAINDER)
+    k.set_defaults(func=_cmd_bench_kernels)
+    return p
+
+
+def _cmd_bench_kernels(args: argparse.Namespace) -> int:
+    from paged_backend import bench_kernels
+
+    return int(bench_kernels.main(args.rest) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

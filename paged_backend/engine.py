@@ -1,0 +1,415 @@
+"""The synchronous engine core: add requests, step, abort.
+
+One ``step()`` = schedule -> run the model -> sample -> append tokens, check stops,
+detokenize -> free finished requests -> return ``RequestOutput`` deltas. ``LLM`` and
+``AsyncEngine`` drive it; nothing else touches the scheduler or the KV cache.
+
+A user request with ``n > 1`` becomes ``n`` internal requests: sample 0 computes the
+prompt; when its prompt is done, ``n`` tokens are sampled from the same logits and the
+other samples fork its blocks (shared by reference, copy-on-write on the partial block).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_backend.config import EngineConfig
+from paged_backend.default_model import resolve_model_path
+from paged_backend.detokenizer import IncrementalDetokenizer
+from paged_backend.errors import InvalidRequestError
+from paged_backend.kv_cache_manager import KVCacheManager
+from paged_backend.model_info import ModelInfo
+from paged_backend.model_loader import resolve_dtype
+from paged_backend.model_runner import ModelRunner
+from paged_backend.outputs import CompletionOutput, LogprobsDict, RequestOutput, Usage
+from paged_backend.request import Request, RequestStatus
+from paged_backend.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
+from paged_backend.sampling_params import SamplingParams
+from paged_backend.scheduler import Scheduler
+from paged_backend.stats import EngineStats
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PreparedRequest:
+    """A validated, tokenized request, ready to enter the scheduler."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int
+    arrival_time: float
+    cache_salt: str | None = None
+
+
+@dataclass
+class _Sample:
+    """Engine-side state of one internal request (one of the n samples)."""
+
+    request: Request
+    generator: torch.Generator | None
+    detok: IncrementalDetokenizer | None
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[LogprobsDict] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    reported_finish: bool = False
+
+
+@dataclass
+class _Group:
+    """One user request: its samples and what it has reported."""
+
+    prep: PreparedRequest
+    samples: list[_Sample]
+    pending_forks: list[_Sample]
+    prompt_logprobs: list[LogprobsDict | None] | None = None
+    prompt_logprobs_sent: bool = False
+    first_token_time: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return not self.pending_forks and all(s.request.is_finished for s in self.samples)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        model_dir = resolve_model_path(config.model)
+        self.model_dir = model_dir
+        self.info = ModelInfo.from_dir(model_dir)
+        self.device = _resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.info, self.device)
+        self.tokenizer = _load_tokenizer(config.tokenizer or model_dir, required=config.load_format != "dummy")
+        self.max_model_len = min(config.max_model_len or self.info.max_position_embeddings,
+                                 self.info.max_position_embeddings)
+        if config.max_model_len and config.max_model_len > self.info.max_position_embeddings:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings {self.info.max_position_embeddings}")
+        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
+        if not config.enable_chunked_prefill:
+            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+        self.eos_token_ids = tuple(self.info.eos_token_ids)
+
+        self.runner = ModelRunner(config, model_dir, self.info, self.device, self.dtype)
+        num_blocks = self.runner.determine_num_blocks()
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv,
+            max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_chunked_prefill=config.enable_chunked_prefill,
+        )
+        self.sampler = Sampler(seed=config.seed)
+        self.groups: dict[str, _Group] = {}
+        self.samples: dict[str, tuple[_Group, _Sample]] = {}
+        self.stats = EngineStats(interval=0 if config.disable_log_stats else config.log_stats_interval)
+        capacity = (num_blocks - 1) * config.block_size
+        logger.info(
+            "KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB); max concurrency at "
+            "max_model_len %d: %.2fx", num_blocks - 1, config.block_size, capacity,
+            str(self.runner.kv_dtype).replace("torch.", ""),
+            num_blocks * self.runner.bytes_per_block / 2**30, self.max_model_len,
+            capacity / self.max_model_len,
+        )
+
+    # -- input ---------------------------------------------------------------------------
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return (self.kv.num_total_usable if hasattr(self.kv, "num_total_usable")
+                else self.runner.num_blocks - 1) * self.config.block_size
+
+    def process_input(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        *,
+        arrival_time: float | None = None,
+        cache_salt: str | None = None,
+    ) -> PreparedRequest:
+        """Tokenize and validate; raises InvalidRequestError. Touches no engine state."""
+        params = params or SamplingParams()
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("This model has no tokenizer: send token ids.", param="prompt")
+            if not prompt:
+                raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+            text: str | None = prompt
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        elif prompt is None:
+            raise InvalidRequestError("A prompt (text or token ids) is required.", param="prompt")
+        else:
+            text, ids = None, list(prompt)
+            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+                raise InvalidRequestError("Prompt token ids must be integers.", param="prompt")
+        if not ids:
+            raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+        vocab = self.info.vocab_size
+        bad = [t for t in ids if t < 0 or t >= vocab]
+        if bad:
+            raise InvalidRequestError(
+                f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).", param="prompt")
+        bad_stop = [t for t in params.stop_token_ids if t >= vocab]
+        if bad_stop:
+            raise InvalidRequestError(
+                f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary (size {vocab}).",
+                param="stop_token_ids")
+        n_prompt = len(ids)
+        if params.max_tokens is None:
+            max_tokens = self.max_model_len - n_prompt
+            if max_tokens < 1:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, your "
+                    f"prompt has {n_prompt} tokens, which leaves no room for a completion. Please reduce "
+                    "the length of the prompt.", param="prompt", code="context_length_exceeded")
+        else:
+            max_tokens = params.max_tokens
+            if n_prompt + max_tokens > self.max_model_len:
+                raise InvalidRequestError(
+                    f"This model's maximum context length is {self.max_model_len} tokens. However, you "
+                    f"requested {n_prompt + max_tokens} tokens ({n_prompt} in the messages, {max_tokens} "
+                    "in the completion). Please reduce the length of the messages or completion.",
+                    param="max_tokens" if n_prompt < self.max_model_len else "prompt",
+                    code="context_length_exceeded")
+        if not self.kv.can_fit(n_prompt + max_tokens):
+            raise InvalidRequestError(
+                f"The request needs {n_prompt + max_tokens} tokens of KV cache but the whole cache holds "
+                f"{self.kv_capacity_tokens}; it could never run.", param="max_tokens")
+        if request_id in self.groups:
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        return PreparedRequest(request_id, text, ids, params, max_tokens,
+                               time.monotonic() if arrival_time is None else arrival_time, cache_salt)
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: str | list[int] | None,
+        params: SamplingParams | None = None,
+        **kwargs,
+    ) -> None:
+        self.add_prepared(self.process_input(request_id, prompt, params, **kwargs))
+
+    def add_prepared(self, prep: PreparedRequest) -> None:
+        if prep.request_id in self.groups:
+            raise InvalidRequestError(f"Request id {prep.request_id!r} is already in use.", param="request_id")
+        samples = [self._new_sample(prep, i) for i in range(prep.params.n)]
+        group = _Group(prep, samples, pending_forks=samples[1:])
+        if prep.params.prompt_logprobs is not None:
+            group.prompt_logprobs = [None]
+        self.groups[prep.request_id] = group
+        for s in samples:
+            self.samples[s.request.request_id] = (group, s)
+        self.scheduler.add_request(samples[0].request)
+        self.stats.on_request_added(len(prep.prompt_token_ids))
+
+    def _new_sample(self, prep: PreparedRequest, index: int) -> _Sample:
+        params = prep.params
+        rid = prep.request_id if params.n == 1 else f"{prep.request_id}#{index}"
+        req = Request(rid, prep.prompt_token_ids, params, max_tokens=prep.max_tokens,
+                      arrival_time=prep.arrival_time, cache_salt=prep.cache_salt,
+                      eos_token_ids=self.eos_token_ids)
+        req.sample_index = index
+        req.parent_id = prep.request_id
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device)
+            gen.manual_seed(params.seed + index)
+        detok = None
+        if params.detokenize and self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer, params)
+        return _Sample(req, gen, detok)
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Abort a user request (all its samples); its blocks are freed now.
+
+        Returns its final delta (finish_reason "abort"), or None if it was not running."""
+        group = self.groups.pop(request_id, None)
+        if group is None:
+            return None
+        group.pending_forks = []
+        for s in group.samples:
+            self.scheduler.finish(s.request, RequestStatus.FINISHED_ABORTED)
+            self.samples.pop(s.request.request_id, None)
+        self.stats.on_request_finished(aborted=True)
+        return self._make_output(group)
+
+    # -- the loop ------------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.groups)
+
+    def step(self) -> list[RequestOutput]:
+        sched = self.scheduler.schedule()
+        self.stats.on_preemptions(len(sched.preempted))
+        if sched.is_empty:
+            return []
+        out = self.runner.execute(sched)
+        touched: dict[str, _Group] = {}
+        for rid, (start, logits) in out.prompt_logits.items():
+            group, sample = self.samples[rid]
+            prompt = sample.request.prompt_token_ids
+            targets = prompt[start + 1 : start + 1 + logits.shape[0]]
+            group.prompt_logprobs.extend(
+                compute_prompt_logprobs(logits, targets, group.prep.params.prompt_logprobs))
+
+        rows: list[int] = []
+        row_samples: list[tuple[_Group, _Sample]] = []
+        for i, rid in enumerate(out.sample_request_ids):
+            group, sample = self.samples[rid]
+            rows.append(i)
+            row_samples.append((group, sample))
+            if group.pending_forks and sample is group.samples[0]:
+                for child in group.pending_forks:
+                    rows.append(i)
+                    row_samples.append((group, child))
+        logits = out.logits if len(rows) == len(out.sample_request_ids) else out.logits[
+            torch.tensor(rows, device=out.logits.device)]
+        meta = SamplingMetadata(
+            params=[s.request.sampling_params for _, s in row_samples],
+            generators=[s.generator for _, s in row_samples],
+            prompt_token_ids=[s.request.prompt_token_ids for _, s in row_samples],
+            output_token_ids=[s.request.output_token_ids for _, s in row_samples],
+            eos_token_ids=self.eos_token_ids,
+        )
+        sampled = self.sampler(logits, meta)
+        now = time.monotonic()
+        for group, sample in row_samples:
+            if group.pending_forks and sample is group.samples[0]:
+                for child in group.pending_forks:  # before the parent can finish and free its blocks
+                    self._fork(group, child)
+                group.pending_forks = []
+
+        for (group, sample), tok, lp, tops in zip(
+            row_samples, sampled.sampled_token_ids, sampled.sampled_logprobs, sampled.logprobs, strict=True
+        ):
+            req = sample.request
+            req.append_output_token(tok)
+            sample.new_token_ids.append(tok)
+            sample.cumulative_logprob += lp
+            if req.sampling_params.logprobs is not None:
+                sample.new_logprobs.append(tops)
+            self._check_stop(sample, tok)
+            if group.first_token_time is None:
+                group.first_token_time = now
+            touched[group.prep.request_id] = group
+
+        self.stats.on_step(sched.num_tokens, len(rows), self.scheduler, self.kv)
+        results = []
+        for group in touched.values():
+            results.append(self._make_output(group))
+            if group.finished:
+                self.groups.pop(group.prep.request_id, None)
+                for s in group.samples:
+                    self.samples.pop(s.request.request_id, None)
+                self.stats.on_request_finished(aborted=False)
+        return results
+
+    def _fork(self, group: _Group, child: _Sample) -> None:
+        parent = group.samples[0].request
+        req = child.request
+        self.kv.fork(parent, req)
+        req.num_computed_tokens = parent.num_computed_tokens
+        req.num_cached_tokens = parent.num_cached_tokens
+        self.scheduler.add_running(req)
+
+    def _check_stop(self, sample: _Sample, tok: int) -> None:
+        req = sample.request
+        params = req.sampling_params
+        stop_str = sample.detok.update(tok) if sample.detok is not None else None
+        status = None
+        if req.num_output_tokens >= params.min_tokens:
+            if not params.ignore_eos and tok in self.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+            elif tok in params.stop_token_ids:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, tok
+            elif stop_str is not None:
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, stop_str
+        if status is None and (req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.max_model_len):
+            status = RequestStatus.FINISHED_LENGTH
+        if status is not None:
+            self.scheduler.finish(req, status)
+
+    def _make_output(self, group: _Group) -> RequestOutput:
+        outs = []
+        for s in group.samples:
+            req = s.request
+            if not s.new_token_ids and (s.reported_finish or not req.is_finished):
+                continue
+            fin = req.status.finish_reason
+            outs.append(CompletionOutput(
+                index=req.sample_index,
+                text=s.detok.delta(req.is_finished) if s.detok is not None else "",
+                token_ids=s.new_token_ids,
+                logprobs=s.new_logprobs if req.sampling_params.logprobs is not None else None,
+                finish_reason=fin,
+                stop_reason=req.stop_reason,
+                cumulative_logprob=s.cumulative_logprob,
+                num_output_tokens=req.num_output_tokens,
+            ))
+            s.new_token_ids, s.new_logprobs = [], []
+            s.reported_finish = req.is_finished
+        prompt_lp = None
+        if group.prompt_logprobs is not None and not group.prompt_logprobs_sent:
+            prompt_lp, group.prompt_logprobs_sent = group.prompt_logprobs, True
+        lead = group.samples[0].request
+        usage = Usage(
+            prompt_tokens=lead.num_prompt_tokens,
+            completion_tokens=sum(s.request.num_output_tokens for s in group.samples),
+            cached_tokens=max(0, lead.num_cached_tokens),
+        )
+        return RequestOutput(group.prep.request_id, group.prep.prompt, group.prep.prompt_token_ids,
+                             outs, group.finished, usage, prompt_lp)
+
+    # -- introspection -------------------------------------------------------------------
+
+    def get_stats(self) -> dict:
+        return self.stats.snapshot(self.scheduler, self.kv)
+
+    def model_info(self) -> dict:
+        return {
+            "name": self.config.name,
+            "model_dir": str(self.model_dir),
+            "architecture": self.info.architecture,
+            "max_model_len": self.max_model_len,
+            "vocab_size": self.info.vocab_size,
+            "dtype": str(self.dtype).replace("torch.", ""),
+            "kv_cache_dtype": str(self.runner.kv_dtype).replace("torch.", ""),
+            "device": str(self.device),
+            "block_size": self.config.block_size,
+            "num_gpu_blocks": self.runner.num_blocks - 1,
+            "kv_capacity_tokens": self.kv_capacity_tokens,
+            "eos_token_ids": list(self.eos_token_ids),
+        }
+
+    def reset_prefix_cache(self) -> bool:
+        return self.kv.block_pool.reset_prefix_cache() if hasattr(self.kv, "block_pool") else False
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def _load_tokenizer(path, required: bool):
+    """The model's HF tokenizer; a random-weights (dummy) model may have none."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError, TypeError) as exc:
+        if required:
+            raise ValueError(f"cannot load a tokenizer from {str(path)!r}: {exc}") from exc
+        logger.warning("no tokenizer in %s: token-id prompts only, no detokenization", path)
+        return None

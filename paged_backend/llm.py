@@ -1,0 +1,135 @@
+"""Offline batch inference: ``LLM(model, **engine_args).generate(prompts, params)``."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm.auto import tqdm
+
+from paged_backend.beam_search import BeamSearchRunner
+from paged_backend.config import EngineConfig
+from paged_backend.engine import LLMEngine
+from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, Any]
+
+
+class LLM:
+    """vLLM-style offline API; engine arguments are EngineConfig's fields (vLLM's flag names)."""
+
+    def __init__(self, model: str = "SmolLM2-135M-Instruct", **engine_args: Any) -> None:
+        self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
+        self._ids = itertools.count()
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Outputs in input order; each holds the full texts / token ids of its n samples."""
+        prompts = _as_prompt_list(prompts)
+        params = _broadcast(sampling_params, len(prompts))
+        beam = [i for i, p in enumerate(params) if p.use_beam_search]
+        results: dict[int, RequestOutput] = {}
+        if beam:
+            runner = BeamSearchRunner(self.engine)
+            for i, out in zip(beam, runner.run([prompts[i] for i in beam], [params[i] for i in beam]), strict=True):
+                results[i] = out
+        plain = [i for i in range(len(prompts)) if i not in results]
+        ids = {}
+        for i in plain:
+            rid = f"llm-{next(self._ids)}"
+            self.engine.add_request(rid, prompts[i], params[i])
+            ids[rid] = i
+        finals = self._run(ids, use_tqdm)
+        results.update(finals)
+        return [results[i] for i in range(len(prompts))]
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """One conversation or a list of them, through the tokenizer's chat template."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.apply_chat_template(c, add_generation_prompt, **(chat_template_kwargs or {}))
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def apply_chat_template(self, messages: list[Message], add_generation_prompt: bool = True, **kw: Any) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                                  tokenize=False, **kw)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def _run(self, ids: dict[str, int], use_tqdm: bool) -> dict[int, RequestOutput]:
+        """Step the engine until every request in ``ids`` finished; merge deltas per request."""
+        merged: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or not ids)
+        done = 0
+        while done < len(ids):
+            for delta in self.engine.step():
+                if delta.request_id not in ids:
+                    continue
+                merged[delta.request_id] = _merge(merged.get(delta.request_id), delta)
+                if delta.finished:
+                    done += 1
+                    bar.update(1)
+        bar.close()
+        return {ids[rid]: out for rid, out in merged.items()}
+
+
+def _merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
+    """Fold a delta into the accumulated output (texts, token ids and logprobs appended)."""
+    if acc is None:
+        acc = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.usage,
+                            delta.prompt_logprobs)
+    by_index = {c.index: c for c in acc.outputs}
+    for c in delta.outputs:
+        cur = by_index.get(c.index)
+        if cur is None:
+            cur = by_index[c.index] = CompletionOutput(index=c.index, logprobs=[] if c.logprobs is not None else None)
+        cur.text += c.text
+        cur.token_ids = cur.token_ids + c.token_ids
+        if c.logprobs is not None:
+            cur.logprobs = (cur.logprobs or []) + c.logprobs
+        cur.finish_reason, cur.stop_reason = c.finish_reason, c.stop_reason
+        cur.cumulative_logprob, cur.num_output_tokens = c.cumulative_logprob, c.num_output_tokens
+    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    acc.finished, acc.usage = delta.finished, delta.usage
+    if delta.prompt_logprobs is not None:
+        acc.prompt_logprobs = delta.prompt_logprobs
+    return acc
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and all(isinstance(t, int) for t in prompts):
+        return [prompts]  # one prompt of token ids
+    return prompts
+
+
+def _broadcast(params: SamplingParams | Sequence[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * n
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+    return params

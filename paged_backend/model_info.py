@@ -1,0 +1,177 @@
+"""What the engine needs to know about a checkpoint, read once from its config.json.
+
+``ModelInfo.from_dir`` normalises the HF config variants (transformers 4 vs 5 key names,
+``rope_scaling`` vs ``rope_parameters``, int vs list eos ids) so that nothing downstream
+parses config.json again.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+_ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+_DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
+           "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """Architecture facts of one Llama-family checkpoint (shapes, rope, norms, special tokens)."""
+
+    architecture: str
+    model_type: str
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    intermediate_size: int
+    vocab_size: int
+    max_position_embeddings: int
+    rope_theta: float
+    rope_scaling: dict[str, Any] | None  # None = plain RoPE; else has "rope_type" (linear, llama3)
+    rms_norm_eps: float
+    tie_word_embeddings: bool
+    attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
+    o_proj_bias: bool  # bias on o_proj (Llama/Qwen3 ``attention_bias``; never Qwen2/Mistral)
+    mlp_bias: bool  # Llama ``mlp_bias``
+    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+    sliding_window: int | None  # None unless some layer uses it
+    layer_sliding_windows: tuple[int | None, ...]  # per layer: its window, or None (full attention)
+    dtype: torch.dtype | None  # the checkpoint's dtype, None if config.json does not say
+    eos_token_ids: tuple[int, ...]
+    bos_token_id: int | None
+    quantization_config: dict[str, Any] | None
+
+    @classmethod
+    def from_dir(cls, path: Path | str) -> ModelInfo:
+        """Reads ``path/config.json`` (+ ``generation_config.json`` for eos ids)."""
+        path = Path(path)
+        cfg = _read_json(path / "config.json", required=True)
+        gen = _read_json(path / "generation_config.json", required=False) or {}
+        return cls.from_config(cfg, gen, source=str(path / "config.json"))
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any], gen: dict[str, Any] | None = None, source: str = "config") -> ModelInfo:
+        gen = gen or {}
+        archs = cfg.get("architectures") or []
+        model_type = cfg.get("model_type", "")
+        arch = archs[0] if archs else _ARCH_BY_MODEL_TYPE.get(model_type, "")
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"{source}: unsupported architecture {arch or model_type or '<none>'!r}; "
+                f"supported: {', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+        try:
+            hidden = int(cfg["hidden_size"])
+            heads = int(cfg["num_attention_heads"])
+            num_layers = int(cfg["num_hidden_layers"])
+            intermediate = int(cfg["intermediate_size"])
+            vocab = int(cfg["vocab_size"])
+        except KeyError as e:
+            raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None
+        act = cfg.get("hidden_act", "silu")
+        if act != "silu":
+            raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+        theta, scaling = _rope(cfg, source)
+        qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
+        mistral = arch == "MistralForCausalLM"
+        attn_bias = bool(cfg.get("attention_bias", False)) and not mistral
+        windows = _layer_windows(cfg, arch, num_layers)
+        used = [w for w in windows if w is not None]
+        return cls(
+            architecture=arch,
+            model_type=model_type,
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            hidden_size=hidden,
+            intermediate_size=intermediate,
+            vocab_size=vocab,
+            max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            attention_bias=qwen2 or attn_bias,
+            o_proj_bias=attn_bias and not qwen2,
+            mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
+            qk_norm=arch == "Qwen3ForCausalLM",
+            sliding_window=max(used) if used else None,
+            layer_sliding_windows=tuple(windows),
+            dtype=_dtype(cfg.get("dtype") or cfg.get("torch_dtype"), source),
+            eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
+            bos_token_id=next((b for b in (cfg.get("bos_token_id"), gen.get("bos_token_id")) if b is not None), None),
+            quantization_config=cfg.get("quantization_config") or None,
+        )
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise FileNotFoundError(f"no config.json in model directory {str(path.parent)!r}")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: malformed JSON ({e})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    params = dict(cfg.get("rope_parameters") or {})
+    legacy = dict(cfg.get("rope_scaling") or {})
+    theta = float(params.pop("rope_theta", cfg.get("rope_theta", legacy.pop("rope_theta", 10000.0))))
+    scaling = params or legacy
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"{source}: rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return theta, None
+    scaling = {k: v for k, v in scaling.items() if k != "type"}
+    scaling["rope_type"] = rope_type
+    return theta, scaling
+
+
+def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> list[int | None]:
+    """Per-layer sliding window: Mistral uses it on every layer; Qwen only with use_sliding_window."""
+    window = cfg.get("sliding_window")
+    if arch == "MistralForCausalLM":
+        return [int(window) if window else None] * num_layers
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window") and window:
+        types = cfg.get("layer_types") or [
+            "sliding_attention" if i >= int(cfg.get("max_window_layers", num_layers)) else "full_attention"
+            for i in range(num_layers)
+        ]
+        return [int(window) if t == "sliding_attention" else None for t in types]
+    return [None] * num_layers
+
+
+def _dtype(name: str | None, source: str) -> torch.dtype | None:
+    if name is None:
+        return None
+    name = str(name).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"{source}: unsupported checkpoint dtype {name!r}")
+    return _DTYPES[name]
+
+
+def _eos_ids(*values: int | list[int] | None) -> tuple[int, ...]:
+    ids: list[int] = []
+    for v in values:
+        for i in [v] if isinstance(v, int) else (v or []):
+            if int(i) not in ids:
+                ids.append(int(i))
+    return tuple(ids)

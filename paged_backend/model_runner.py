@@ -1,0 +1,197 @@
+"""Turns a SchedulerOutput into model inputs, runs the model over the paged KV cache and
+returns the logits rows the engine samples from.
+
+Per step it builds (see attention/backend.py for the index math)::
+
+    input_ids, positions   [T]          the new tokens of every scheduled request, concatenated
+    slot_mapping           [T]  int64   block_ids[pos // bs] * bs + pos % bs
+    block_tables           [S, maxblk]  int32, padded with the null block 0
+    seq_lens, query_start_loc           int32
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.attention import AttentionMetadata, get_attention_backend
+from paged_backend.config import EngineConfig
+from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+from paged_backend.model_info import ModelInfo
+from paged_backend.model_loader import load_model
+from paged_backend.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelOutput:
+    """Logits rows to sample, in the order of ``sample_request_ids``."""
+
+    sample_request_ids: list[str]
+    logits: torch.Tensor  # [num_samples, vocab] float32
+    # request id -> (logits [n, vocab] float32 for prompt positions start..start+n-1)
+    prompt_logits: dict[str, tuple[int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir, info: ModelInfo, device: torch.device, dtype: torch.dtype):
+        self.config = config
+        self.info = info
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.attn_backend = get_attention_backend(config.attention_backend, device)
+        self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format)
+        self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    # -- KV cache --------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        i = self.info
+        return 2 * self.block_size * i.num_kv_heads * i.head_dim * elem * i.num_layers
+
+    def determine_num_blocks(self) -> int:
+        """From the memory budget: explicit bytes, the GPU's free memory, or a share of RAM."""
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = min(4 << 30, _available_ram() // 4)
+        return max(2, budget // self.bytes_per_block)
+
+    def _profile_gpu_budget(self) -> int:
+        """gpu_memory_utilization of the card, minus weights and a profiled activation peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = min(self.config.max_num_batched_tokens or 2048, 8192)
+        self._dummy_forward(n)
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device)
+        free, total = torch.cuda.mem_get_info(self.device)
+        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
+        budget = int(total * self.config.gpu_memory_utilization) - peak - max(0, used_by_others)
+        if budget <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: weights + activations take {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB at gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            )
+        return budget
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One prefill of num_tokens into a throwaway cache, to measure the activation peak."""
+        bs, dev = self.block_size, self.device
+        nblk = -(-num_tokens // bs)
+        caches = [torch.zeros((2, nblk + 1, bs, self.info.num_kv_heads, self.info.head_dim),
+                              dtype=self.kv_dtype, device=dev) for _ in range(self.info.num_layers)]
+        pos = torch.arange(num_tokens, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=pos + bs,
+            block_tables=torch.arange(1, nblk + 1, dtype=torch.int32, device=dev)[None],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            max_query_len=num_tokens, max_seq_len=num_tokens, block_size=bs,
+            seq_lens_cpu=[num_tokens], query_lens_cpu=[num_tokens],
+        )
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), pos, caches, meta)
+            self.model.compute_logits(hidden[: min(num_tokens, self.config.max_num_seqs)])
+        del caches
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        shape = (2, num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                          for _ in range(self.info.num_layers)]
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    # -- one step ----------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        self.copy_blocks(sched.blocks_to_copy)
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        seq_lens: list[int] = []
+        qsl = [0]
+        rows: list[list[int]] = []
+        sample_ids: list[str] = []
+        sample_rows: list[int] = []
+        prompt_spans: list[tuple[str, int, int, int]] = []  # (req id, first row, count, start pos)
+        for s in sched.scheduled:
+            n = s.num_new_tokens
+            ids.extend(s.token_ids)
+            pos.extend(range(s.start_pos, s.start_pos + n))
+            seq_lens.append(s.start_pos + n)
+            rows.append(s.block_ids)
+            if s.request.sampling_params.prompt_logprobs is not None:
+                last_prompt = s.request.num_prompt_tokens - 1
+                count = min(s.start_pos + n, last_prompt) - s.start_pos
+                if count > 0:
+                    prompt_spans.append((s.request.request_id, qsl[-1], count, s.start_pos))
+            qsl.append(qsl[-1] + n)
+            if s.samples:
+                sample_ids.append(s.request.request_id)
+                sample_rows.append(qsl[-1] - 1)
+        max_blocks = max(len(r) for r in rows)
+        table = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
+        for i, r in enumerate(rows):
+            table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
+        positions = torch.tensor(pos, dtype=torch.long)
+        seq_idx = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
+        slots = table[seq_idx, positions // bs].long() * bs + positions % bs
+        qlens = [qsl[i + 1] - qsl[i] for i in range(len(rows))]
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=slots.to(dev, non_blocking=True),
+            block_tables=table.to(dev, non_blocking=True),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
+            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
+            max_query_len=max(qlens),
+            max_seq_len=max(seq_lens),
+            block_size=bs,
+            seq_lens_cpu=seq_lens,
+            query_lens_cpu=qlens,
+            sliding_window=getattr(self.model, "sliding_window", None),
+        )
+        hidden = self.model(
+            torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
+            positions.to(dev, non_blocking=True),
+            self.kv_caches,
+            meta,
+        )
+        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)])
+        prompt_logits = {
+            rid: (start, self.model.compute_logits(hidden[first : first + count]))
+            for rid, first, count, start in prompt_spans
+        }
+        return ModelOutput(sample_ids, logits, prompt_logits)
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

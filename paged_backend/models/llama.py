@@ -1,0 +1,267 @@
+"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache.
+
+vLLM style: the step's tokens are flattened (no batch dim); the attention backend writes
+the new K/V into ``kv_caches[layer]`` and attends through ``meta``'s block tables. The op
+order follows transformers' LlamaModel so fp32 logits agree with HF's.
+
+    embed -> [ input_norm(+res) -> attn -> post_attn_norm(+res) -> mlp ] x L -> norm(+res)
+    attn:  qkv_proj -> (Qwen3: q_norm/k_norm per head) -> rope -> backend -> o_proj
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+from dataclasses import replace
+
+import torch
+from torch import nn
+
+from paged_backend.attention.backend import AttentionBackend, AttentionMetadata
+from paged_backend.model_info import ModelInfo
+from paged_backend.models.layers import (
+    Embedding,
+    FusedLinear,
+    ModelOps,
+    RMSNorm,
+    RotaryEmbedding,
+    reference_ops,
+)
+
+# (fused parameter, HF checkpoint name, shard id)
+STACKED_PARAMS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+# checkpoint names of per-layer KV-cache scales -> our buffer names (kv_scale sets both)
+_KV_SCALE = re.compile(
+    r"^(?P<prefix>.*\.self_attn)\.(?:attn\.|k_proj\.|v_proj\.)?(?P<which>k|v|kv)_scale$"
+    r"|^(?P<prefix2>.*\.self_attn)\.(?P<which2>k|v)_proj\.output_scale$"
+)
+_IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        info: ModelInfo,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        ops: ModelOps,
+    ) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = info.num_heads, info.num_kv_heads, info.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.sizes = (q_size, kv_size, kv_size)
+        self.qkv_proj = FusedLinear(info.hidden_size, self.sizes, info.attention_bias, dtype, ("q", "k", "v"))
+        self.o_proj = FusedLinear(q_size, (info.hidden_size,), info.o_proj_bias, dtype)
+        self.q_norm = RMSNorm(self.head_dim, info.rms_norm_eps, dtype, ops) if info.qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, info.rms_norm_eps, dtype, ops) if info.qk_norm else None
+        self.rotary_emb = rotary_emb  # shared by all layers
+        self.attn_backend = attn_backend
+        self.scale = self.head_dim**-0.5
+        self.sliding_window = info.layer_sliding_windows[layer_idx]
+        # KV-cache quantization scales (1.0 unless the checkpoint has them)
+        self.register_buffer("k_scale", torch.empty((), dtype=torch.float32), persistent=False)
+        self.register_buffer("v_scale", torch.empty((), dtype=torch.float32), persistent=False)
+        self.init_buffers()
+
+    def init_buffers(self) -> None:
+        if self.k_scale.is_meta:
+            return
+        self.k_scale.fill_(1.0)
+        self.v_scale.fill_(1.0)
+
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
+    ) -> torch.Tensor:
+        t = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.sizes, dim=-1)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
+            k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
+        q, k = self.rotary_emb(positions, q, k)
+        if meta.sliding_window != self.sliding_window:
+            meta = replace(meta, sliding_window=self.sliding_window)
+        o = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+        return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, info: ModelInfo, dtype: torch.dtype, ops: ModelOps) -> None:
+        super().__init__()
+        i = info.intermediate_size
+        self.gate_up_proj = FusedLinear(info.hidden_size, (i, i), info.mlp_bias, dtype, (0, 1))
+        self.down_proj = FusedLinear(i, (info.hidden_size,), info.mlp_bias, dtype)
+        self.ops = ops
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(
+        self,
+        info: ModelInfo,
+        layer_idx: int,
+        rotary_emb: RotaryEmbedding,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        ops: ModelOps,
+    ) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(info, layer_idx, rotary_emb, attn_backend, dtype, ops)
+        self.mlp = LlamaMLP(info, dtype, ops)
+        self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
+        self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden, residual) -> (mlp output, residual): the residual add is fused into the next norm."""
+        if residual is None:
+            residual = hidden
+            hidden, _ = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm(hidden, residual)
+        hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        hidden, residual = self.post_attention_layernorm(hidden, residual)
+        return self.mlp(hidden), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, info: ModelInfo, attn_backend: AttentionBackend, dtype: torch.dtype, ops: ModelOps) -> None:
+        super().__init__()
+        self.rotary_emb = RotaryEmbedding(
+            info.head_dim, info.max_position_embeddings, info.rope_theta, info.rope_scaling, ops
+        )
+        self.embed_tokens = Embedding(info.vocab_size, info.hidden_size, dtype)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(info, i, self.rotary_emb, attn_backend, dtype, ops) for i in range(info.num_layers)
+        )
+        self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        hidden, residual = self.embed_tokens(input_ids), None
+        for i, layer in enumerate(self.layers):
+            hidden, residual = layer(positions, hidden, residual, kv_caches[i], meta)
+        hidden, _ = self.norm(hidden, residual)
+        return hidden
+
+
+class LlamaForCausalLM(nn.Module):
+    """One class for the Llama family; ModelInfo's flags select biases, q/k norm and windows."""
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        attn_backend: AttentionBackend,
+        dtype: torch.dtype,
+        ops: ModelOps | None = None,
+    ) -> None:
+        super().__init__()
+        self.info = info
+        self.dtype = dtype
+        self.ops = ops or reference_ops()
+        self.model = LlamaModel(info, attn_backend, dtype, self.ops)
+        self.lm_head = FusedLinear(info.hidden_size, (info.vocab_size,), False, dtype)
+        if info.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    @property
+    def sliding_window(self) -> int | None:
+        """The largest window any layer uses (None = full attention everywhere)."""
+        return self.info.sliding_window
+
+    def init_buffers(self) -> None:
+        """Recomputes non-persistent buffers (rope table, KV scales) after ``to_empty``."""
+        for m in self.modules():
+            if m is not self and hasattr(m, "init_buffers"):
+                m.init_buffers()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # int64 [T]
+        positions: torch.Tensor,  # int64 [T]
+        kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden], final-normed
+        return self.model(input_ids, positions, kv_caches, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> float32 [N, vocab]
+        return self.lm_head(hidden).float()
+
+    @staticmethod
+    def checkpoint_names(param_name: str) -> list[str]:
+        """The HF tensor names that load ``param_name`` (several for a fused parameter)."""
+        names = [param_name.replace(fused, orig) for fused, orig, _ in STACKED_PARAMS if fused in param_name]
+        return names or [param_name]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+        """Loads HF-named tensors through each parameter's ``weight_loader``.
+
+        Returns the names of the parameters (and KV-scale buffers) that are fully loaded; a
+        fused parameter counts only once all its shards were seen. Unknown names and shape
+        mismatches raise ``ValueError`` naming the checkpoint tensor.
+        """
+        params = dict(self.named_parameters())
+        buffers = dict(self.named_buffers())
+        seen: dict[str, set] = {}
+        for name, tensor in weights:
+            if any(s in name for s in _IGNORED):
+                continue
+            if self.info.tie_word_embeddings and name.startswith("lm_head."):
+                continue  # the tied lm_head is embed_tokens
+            m = _KV_SCALE.match(name)
+            if m:
+                prefix, which = m["prefix"] or m["prefix2"], m["which"] or m["which2"]
+                for kind in ("k", "v") if which == "kv" else (which,):
+                    seen.setdefault(self._load_scale(buffers, f"{prefix}.{kind}_scale", name, tensor), set())
+                continue
+            pname, shard = name, None
+            for fused, orig, shard_id in STACKED_PARAMS:
+                if orig in name:
+                    pname, shard = name.replace(orig, fused), shard_id
+                    break
+            param = params.get(pname)
+            if param is None:
+                raise ValueError(f"unexpected tensor {name!r}: the model has no parameter {pname!r}")
+            try:
+                param.weight_loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"tensor {name!r}: {e}") from None
+            seen.setdefault(pname, set()).add(shard)
+        return {
+            n for n, shards in seen.items()
+            if n in buffers or set(getattr(params[n], "shard_ids", ()) or (None,)) <= shards
+        }
+
+    @staticmethod
+    def _load_scale(buffers: dict[str, torch.Tensor], bname: str, name: str, tensor: torch.Tensor) -> str:
+        buf = buffers.get(bname)
+        if buf is None:
+            raise ValueError(f"unexpected tensor {name!r}: the model has no buffer {bname!r}")
+        if tensor.numel() != 1:
+            raise ValueError(f"tensor {name!r}: only per-tensor KV scales are supported, got {tuple(tensor.shape)}")
+        buf.copy_(tensor.reshape(()).float())
+        return bname

@@ -1,0 +1,176 @@
+"""The sampler: logits ``[R, V]`` -> one token id per row (+ raw logprobs), vLLM v1 order.
+
+    raw logits --(logprobs, top-N)-------------------------------------------------+
+        |                                                                          |
+    min_tokens -> repetition -> presence/frequency --+-- greedy rows: argmax       |
+                                                     +-- random rows: / T -> min_p |
+                                                          -> top_k -> top_p ->     |
+                                                          exponential race         |
+                                                                   |               v
+                                     ONE device->host transfer: ids, logprobs, top-N
+
+Row-vectorized, device-agnostic, and free of host syncs until the final transfer.
+Seeded rows draw only from their own generator, so a seeded request's tokens do not
+depend on what else is in the batch; unseeded rows share the sampler's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from paged_backend.sampling.logprobs import (
+    compute_prompt_logprobs,
+    logprob_dict,
+    token_logprobs,
+    top_logprobs,
+)
+from paged_backend.sampling.masks import apply_min_p, apply_top_k, apply_top_k_top_p
+from paged_backend.sampling.metadata import (
+    BatchPlan,
+    SamplerOutput,
+    SamplingMetadata,
+    seeded_generator,
+    to_host,
+)
+from paged_backend.sampling.penalties import apply_min_tokens, apply_penalties, token_counts
+
+__all__ = ["DeviceSample", "Sampler", "SamplerOutput", "SamplingMetadata", "compute_prompt_logprobs", "seeded_generator"]
+
+
+@dataclass
+class DeviceSample:
+    """A sampler call's results still on the device (before the one host transfer)."""
+
+    plan: BatchPlan
+    token_ids: torch.Tensor  # int64 [R]
+    sampled_logprobs: torch.Tensor  # float32 [R], raw distribution
+    top_ids: torch.Tensor | None  # int64 [len(plan.logprob_rows), plan.max_logprobs]
+    top_logprobs: torch.Tensor | None
+
+
+class Sampler:
+    """Samples one token per logits row; stateless apart from the unseeded rows' generators."""
+
+    def __init__(self, seed: int = 0) -> None:
+        self.seed = seed
+        self._generators: dict[torch.device, torch.Generator] = {}
+
+    def _shared_generator(self, device: torch.device) -> torch.Generator:
+        """The unseeded rows' generator on ``device`` (one per device, seeded with ``seed``)."""
+        if device not in self._generators:
+            self._generators[device] = seeded_generator(self.seed, device)
+        return self._generators[device]
+
+    def __call__(self, logits: torch.Tensor, meta: SamplingMetadata) -> SamplerOutput:
+        """Sample a token for each row of ``logits`` ``[R, V]`` (not modified); one host sync."""
+        if logits.dim() != 2 or logits.shape[0] != len(meta.params):
+            raise ValueError(f"logits {tuple(logits.shape)} vs {len(meta.params)} rows of metadata")
+        if logits.shape[0] == 0:
+            return SamplerOutput([], [], [])
+        return self._to_output(self.sample_tensors(logits, meta))
+
+    def sample_tensors(self, logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSample:
+        """Everything on the device, no host sync: tokens, their raw logprobs, top-N."""
+        plan = BatchPlan(meta, logits.shape[1])
+        device = logits.device
+        raw = logits.float()
+
+        x = self._apply_history(raw, plan, meta, device)
+        token_ids = x.argmax(dim=-1) if not plan.all_random else None
+        if not plan.all_greedy:
+            random_ids = self._sample_random(x, plan, meta, device)
+            if token_ids is None:
+                token_ids = random_ids
+            else:
+                is_greedy = plan.row_params(device).greedy > 0
+                token_ids = torch.where(is_greedy, token_ids, random_ids)
+        return self._logprobs(raw, token_ids, plan, device)
+
+    def _apply_history(
+        self, x: torch.Tensor, plan: BatchPlan, meta: SamplingMetadata, device: torch.device
+    ) -> torch.Tensor:
+        """min_tokens bans, then repetition / presence / frequency penalties."""
+        if plan.banned_rows:
+            rows = plan.index_tensor(plan.banned_rows, device)
+            toks = plan.index_tensor(plan.banned_tokens, device)
+            x = apply_min_tokens(x, rows, toks)
+        if plan.any_penalty:
+            # only rows with penalties contribute tokens; prompts only for repetition
+            needs = [p.needs_penalties for p in meta.params]
+            out_ids = [o if n else [] for o, n in zip(meta.output_token_ids, needs, strict=True)]
+            prompt_ids = [p if r != 1.0 else [] for p, r in
+                          zip(meta.prompt_token_ids, plan.repetition, strict=True)]
+            lists = out_ids + prompt_ids if plan.any_repetition else out_ids
+            counts = token_counts(lists, plan.vocab_size, device)  # one copy, one scatter
+            n = plan.num_rows
+            prompt_counts = counts[n:] if plan.any_repetition else None
+            rp = plan.row_params(device)
+            x = apply_penalties(x, prompt_counts, counts[:n], rp.repetition, rp.frequency, rp.presence)
+        return x
+
+    def _sample_random(
+        self, x: torch.Tensor, plan: BatchPlan, meta: SamplingMetadata, device: torch.device
+    ) -> torch.Tensor:
+        """Temperature, min-p, top-k/top-p, then an exponential race (Gumbel-max on probs).
+
+        ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks token i with probability
+        ``probs[i]``; each seeded row's ``q`` comes from its own generator.
+        """
+        rp = plan.row_params(device)
+        x = x / rp.temperature.unsqueeze(1)
+        if plan.any_min_p:
+            x = apply_min_p(x, rp.min_p)
+        k = rp.top_k if plan.any_top_k else None
+        if plan.any_top_p:
+            x = apply_top_k_top_p(x, k, rp.top_p)
+        elif k is not None:
+            x = apply_top_k(x, k, plan.max_top_k)
+        probs = x.softmax(dim=-1)
+
+        q = torch.empty_like(probs)
+        if len(plan.seeded_random_rows) < len(plan.random_rows):
+            q.exponential_(generator=self._shared_generator(device))
+        for i in plan.seeded_random_rows:
+            gen = meta.generators[i]
+            assert gen is not None
+            if gen.device.type != device.type:
+                raise ValueError(f"row {i}: generator on {gen.device}, logits on {device}")
+            q[i].exponential_(generator=gen)
+        # q == 0 would turn a masked token (prob 0) into 0/0 = nan, which argmax picks
+        q = q.clamp_min_(torch.finfo(q.dtype).tiny)
+        return (probs / q).argmax(dim=-1)
+
+    def _logprobs(
+        self, raw: torch.Tensor, token_ids: torch.Tensor, plan: BatchPlan, device: torch.device
+    ) -> DeviceSample:
+        """Raw logprobs of the sampled tokens, and top-N for the rows asking."""
+        lse = torch.logsumexp(raw, dim=-1)
+        sampled_lp = token_logprobs(raw, lse, token_ids)
+        top_ids = top_lp = None
+        rows = plan.logprob_rows
+        if rows and plan.max_logprobs > 0:
+            if len(rows) < plan.num_rows:
+                idx = plan.index_tensor(rows, device)
+                raw, lse = raw.index_select(0, idx), lse.index_select(0, idx)
+            top_ids, top_lp = top_logprobs(raw, lse, plan.max_logprobs)
+        return DeviceSample(plan, token_ids, sampled_lp, top_ids, top_lp)
+
+    @staticmethod
+    def _to_output(d: DeviceSample) -> SamplerOutput:
+        """ONE device->host transfer, then per-row Python objects."""
+        tensors = [d.token_ids, d.sampled_logprobs]
+        if d.top_ids is not None and d.top_logprobs is not None:
+            tensors += [d.top_ids, d.top_logprobs]
+        host = to_host(*tensors)
+        ids = [int(t) for t in host[0]]
+        sampled_lp = host[1]
+        top_ids_h, top_lp_h = (host[2], host[3]) if len(host) == 4 else ([], [])
+
+        plan, num = d.plan, d.plan.max_logprobs
+        logprobs: list[dict[int, float] | None] = [None] * plan.num_rows
+        for j, (row, n) in enumerate(zip(plan.logprob_rows, plan.num_logprobs, strict=True)):
+            span = slice(j * num, (j + 1) * num)
+            logprobs[row] = logprob_dict(top_ids_h[span], top_lp_h[span], n, ids[row], sampled_lp[row])
+        return SamplerOutput(sampled_token_ids=ids, sampled_logprobs=sampled_lp, logprobs=logprobs)

@@ -1,0 +1,85 @@
+"""Engine counters and the periodic log line (vLLM's "Avg prompt throughput ..." line)."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+logger = logging.getLogger("paged_backend")
+
+
+@dataclass
+class EngineStats:
+    interval: float = 10.0  # seconds between log lines; 0 = never log
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    computed_tokens_total: int = 0
+    num_requests_total: int = 0
+    num_finished_total: int = 0
+    num_aborted_total: int = 0
+    num_preemptions_total: int = 0
+    num_steps: int = 0
+    peak_kv_usage: float = 0.0
+    peak_kv_waste: float = 0.0  # allocated slots holding no token / allocated slots, at peak usage
+    _last_log: float = field(default_factory=time.monotonic)
+    _last_prompt: int = 0
+    _last_gen: int = 0
+
+    def on_request_added(self, prompt_tokens: int) -> None:
+        self.num_requests_total += 1
+        self.prompt_tokens_total += prompt_tokens
+
+    def on_request_finished(self, aborted: bool) -> None:
+        self.num_finished_total += 1
+        self.num_aborted_total += int(aborted)
+
+    def on_preemptions(self, n: int) -> None:
+        self.num_preemptions_total += n
+
+    def on_step(self, computed_tokens: int, sampled_tokens: int, scheduler, kv) -> None:
+        self.num_steps += 1
+        self.computed_tokens_total += computed_tokens
+        self.generation_tokens_total += sampled_tokens
+        usage = kv.usage
+        if usage >= self.peak_kv_usage:
+            self.peak_kv_usage = usage
+            allocated = kv.allocated_slots()
+            if allocated:
+                filled = sum(min(r.num_computed_tokens, r.num_tokens) for r in scheduler.running)
+                self.peak_kv_waste = max(0.0, 1.0 - filled / allocated)
+        now = time.monotonic()
+        if self.interval and now - self._last_log >= self.interval:
+            self.log(scheduler, kv, now)
+
+    def log(self, scheduler, kv, now: float) -> None:
+        dt = max(now - self._last_log, 1e-9)
+        hits = kv.block_pool.stats
+        rate = hits.hits / hits.queries if getattr(hits, "queries", 0) else 0.0
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
+            (self.prompt_tokens_total - self._last_prompt) / dt,
+            (self.generation_tokens_total - self._last_gen) / dt,
+            scheduler.num_running, scheduler.num_waiting, 100 * kv.usage, 100 * rate,
+        )
+        self._last_log, self._last_prompt, self._last_gen = now, self.prompt_tokens_total, self.generation_tokens_total
+
+    def snapshot(self, scheduler, kv) -> dict:
+        hits = kv.block_pool.stats
+        return {
+            "num_running": scheduler.num_running,
+            "num_waiting": scheduler.num_waiting,
+            "kv_cache_usage": kv.usage,
+            "num_free_blocks": kv.num_free_blocks,
+            "prefix_cache_queries": getattr(hits, "queries", 0),
+            "prefix_cache_hits": getattr(hits, "hits", 0),
+            "prompt_tokens_total": self.prompt_tokens_total,
+            "generation_tokens_total": self.generation_tokens_total,
+            "num_requests_total": self.num_requests_total,
+            "num_finished_total": self.num_finished_total,
+            "num_aborted_total": self.num_aborted_total,
+            "num_preemptions": self.num_preemptions_total,
+            "peak_kv_usage": self.peak_kv_usage,
+            "peak_kv_waste": self.peak_kv_waste,
+        }

@@ -1,0 +1,282 @@
+"""Triton paged attention against the torch reference (interpreter on CPU, full size on CUDA).
+
+Batches mix decode, prefill, chunked prefill and prefix-cache hits; caches are random
+everywhere (a wrong block or position changes the result) and outputs start as NaN.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from paged_backend.kernels.cache_write import write_kv_cache  # noqa: E402
+from paged_backend.kernels.cache_write_ref import FP8_DTYPE, quantize_fp8  # noqa: E402
+from paged_backend.kernels.paged_attention import AttentionConfig, paged_attention  # noqa: E402
+from paged_backend.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
+
+CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+DEVICE = torch.device("cuda" if CUDA else "cpu")
+BIG = 16 if CUDA else 1  # context lengths scale up on the GPU
+# ||out - ref|| / ||ref|| and elementwise (atol, rtol) per output dtype
+TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 4e-3), torch.bfloat16: (1e-2, 3e-2)}
+
+
+pytestmark = pytest.mark.usefixtures("poison_uninitialized")
+
+
+def make_batch(
+    reqs: list[tuple[int, int]],  # (cached context, new tokens) per request
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    block_size: int,
+    dtype: torch.dtype,
+    fp8: bool = False,
+    seed: int = 0,
+    spare_blocks: int = 7,
+    kv_cache: torch.Tensor | None = None,
+    block_ids: list[int] | None = None,
+):
+    """Random q, a random cache and block tables of distinct shuffled blocks (never block 0)."""
+    g = torch.Generator().manual_seed(seed)
+    seq_lens = [c + q for c, q in reqs]
+    nblk = [(s + block_size - 1) // block_size for s in seq_lens]
+    max_blocks = max(max(nblk), 1) + 2  # padded with the null block
+    total = sum(nblk)
+    if kv_cache is None:
+        num_blocks = total + spare_blocks + 1
+        shape = (2, num_blocks, block_size, kv_heads, head_dim)
+        data = torch.randn(shape, generator=g) * 2.0
+        kv_cache = data.to(FP8_DTYPE) if fp8 else data.to(dtype)
+        ids = (torch.randperm(num_blocks - 1, generator=g)[:total] + 1).tolist()
+    else:
+        ids = block_ids
+    bt = torch.zeros((len(reqs), max_blocks), dtype=torch.int32)
+    i = 0
+    for r, n in enumerate(nblk):
+        bt[r, :n] = torch.tensor(ids[i : i + n], dtype=torch.int32)
+        i += n
+    t = sum(q for _, q in reqs)
+    q = torch.randn((t, heads, head_dim), generator=g).to(dtype)
+    qsl = torch.tensor([0] + torch.tensor([q for _, q in reqs]).cumsum(0).tolist(), dtype=torch.int32)
+    sl = torch.tensor(seq_lens, dtype=torch.int32)
+    dev = DEVICE
+    return q.to(dev), kv_cache.to(dev), bt.to(dev), sl.to(dev), qsl.to(dev)
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert not out.isnan().any(), "unwritten (NaN) output elements"
+    rel_tol, rtol = TOL[dtype]
+    o, r = out.float().cpu(), ref.float().cpu()
+    assert r.norm() > 0
+    err = ((o - r).norm() / r.norm()).item()
+    assert err < rel_tol, f"relative error {err:.3e} >= {rel_tol}"
+    torch.testing.assert_close(o, r, atol=rtol, rtol=rtol)
+
+
+def run_both(q, kv, bt, sl, qsl, scale, ks=None, vs=None, window=None, **kw):
+    out = torch.full_like(q, float("nan"))
+    got = paged_attention(q, kv, bt, sl, qsl, scale, ks, vs, window, out=out, **kw)
+    assert got is out
+    ref = paged_attention_ref(q.cpu(), kv.cpu(), bt.cpu(), sl.cpu(), qsl.cpu(), scale,
+                              None if ks is None else ks.cpu(), None if vs is None else vs.cpu(), window)
+    return out, ref
+
+
+def scaled(reqs: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    return [(c * BIG, q if q == 1 else q * BIG) for c, q in reqs]
+
+
+# decode (incl. a page-boundary and a first-token decode), fresh prefill, chunked prefill / prefix hit
+MIXED = [(37, 1), (0, 19), (23, 9), (64, 1), (0, 1), (5, 3)]
+DECODE = [(37, 1), (64, 1), (0, 1), (130, 1)]
+
+SHAPES = [  # heads, kv_heads, head_dim, block_size, dtype
+    (4, 4, 64, 16, torch.float32),  # GQA ratio 1
+    (9, 3, 64, 32, torch.bfloat16),  # ratio 3 (SmolLM2)
+    (8, 2, 128, 16, torch.bfloat16),  # ratio 4, head_dim 128
+    (6, 2, 80, 64, torch.float16),  # ratio 3, head_dim 80 (padded to 128)
+    (4, 1, 96, 16, torch.float32),  # ratio 4, head_dim 96
+    (16, 1, 64, 32, torch.bfloat16),  # ratio 16
+]
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size,dtype", SHAPES)
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_matches_reference(heads, kv_heads, head_dim, block_size, dtype, batch):
+    reqs = scaled(MIXED if batch == "mixed" else DECODE)
+    q, kv, bt, sl, qsl = make_batch(reqs, heads, kv_heads, head_dim, block_size, dtype)
+    out, ref = run_both(q, kv, bt, sl, qsl, head_dim**-0.5, num_splits=1)
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("num_splits", [2, 5])
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_context_splits(num_splits, batch):
+    """Flash-decoding path: partial softmax per context split, merged by the reduce kernel."""
+    reqs = scaled([(300, 1), (2, 1), (130, 1)] if batch == "decode" else [(300, 1), (0, 20), (90, 9)])
+    q, kv, bt, sl, qsl = make_batch(reqs, 6, 2, 64, 16, torch.bfloat16, seed=1)
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=num_splits)
+    check(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("window,num_splits", [(1, 1), (8, 1), (40, 1), (40, 3)])
+def test_sliding_window(window, num_splits):
+    reqs = scaled([(70, 1), (0, 30), (45, 20), (3, 1)])
+    q, kv, bt, sl, qsl = make_batch(reqs, 4, 2, 64, 16, torch.float32, seed=2)
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, window=window * BIG, num_splits=num_splits)
+    check(out, ref, torch.float32)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype,num_splits",
+    [
+        (9, 3, 64, 16, torch.bfloat16, 1),
+        (8, 2, 128, 32, torch.float32, 1),
+        (8, 2, 128, 32, torch.bfloat16, 3),
+    ],
+)
+def test_fp8_cache(heads, kv_heads, head_dim, block_size, dtype, num_splits):
+    """e4m3 cache dequantized in the kernel with k_scale / v_scale."""
+    reqs = scaled([(50, 1), (0, 17), (33, 6), (96, 1)])
+    q, kv, bt, sl, qsl = make_batch(reqs, heads, kv_heads, head_dim, block_size, dtype, fp8=True, seed=3)
+    assert kv.dtype == FP8_DTYPE
+    ks = torch.tensor(0.37, device=DEVICE)
+    vs = torch.tensor(1.9, device=DEVICE)
+    out, ref = run_both(q, kv, bt, sl, qsl, head_dim**-0.5, ks, vs, num_splits=num_splits)
+    check(out, ref, dtype)
+    # the scales matter: without them the result is different
+    plain = paged_attention_ref(q.cpu(), kv.cpu(), bt.cpu(), sl.cpu(), qsl.cpu(), head_dim**-0.5)
+    assert not torch.allclose(plain.float(), ref.float(), atol=1e-2, rtol=1e-2)
+
+
+@pytest.mark.parametrize(
+    "config,block_size",
+    [
+        (AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2), 64),  # tile inside a page
+        (AttentionConfig(block_m=16, tile_n=128, num_warps=4, num_stages=2), 16),  # tile over 8 pages
+        (AttentionConfig(block_m=32, tile_n=32, num_warps=4, num_stages=2), 32),
+    ],
+)
+def test_tile_configs(config, block_size):
+    """Small query tiles split a prefill into many tiles; KV tiles smaller and larger than a page."""
+    reqs = scaled([(0, 23), (40, 1), (17, 12)])
+    q, kv, bt, sl, qsl = make_batch(reqs, 6, 2, 64, block_size, torch.float32, seed=4)
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, config=config, num_splits=1)
+    check(out, ref, torch.float32)
+
+
+def test_single_token_and_empty():
+    q, kv, bt, sl, qsl = make_batch([(0, 1)], 4, 2, 64, 16, torch.bfloat16, seed=5)
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125)
+    check(out, ref, torch.bfloat16)
+    # no tokens at all
+    empty = paged_attention(q[:0], kv, bt[:0], sl[:0], qsl[:1], 0.125)
+    assert empty.shape == (0, 4, 64)
+    # a request with no new tokens this step next to one with a token
+    q, kv, bt, sl, qsl = make_batch([(9, 0), (20, 1)], 4, 2, 64, 16, torch.float32, seed=6)
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125)
+    check(out, ref, torch.float32)
+
+
+def test_stale_slots_ignored():
+    """NaN in slots past a request's length (its last page, the null block) must not leak in."""
+    reqs = scaled([(37, 1), (0, 1), (12, 5), (70, 1)])
+    bs = 16
+    q, kv, bt, sl, qsl = make_batch(reqs, 6, 2, 64, bs, torch.bfloat16, seed=10)
+    kv[:, 0] = float("nan")  # the null block pads every block table
+    for r, length in enumerate(sl.tolist()):
+        last = int(bt[r, (length - 1) // bs])
+        kv[:, last, (length - 1) % bs + 1 :] = float("nan")
+    for max_query_len in (None, 8):  # exact (decode-only path for the decode batch) or an upper bound
+        out, ref = run_both(q, kv, bt, sl, qsl, 0.125, max_query_len=max_query_len)
+        check(out, ref, torch.bfloat16)
+        d = torch.tensor([0, 1, 3])  # the decode rows alone
+        qd = q[qsl[d].long()]
+        qsl_d = torch.arange(4, dtype=torch.int32, device=DEVICE)
+        out, ref = run_both(qd, kv, bt[d.to(DEVICE)], sl[d.to(DEVICE)], qsl_d, 0.125, max_query_len=max_query_len)
+        check(out, ref, torch.bfloat16)
+
+
+def test_rows_past_query_start_loc_left_alone():
+    q, kv, bt, sl, qsl = make_batch([(5, 1), (0, 4)], 4, 2, 64, 16, torch.float32, seed=7)
+    padded = torch.cat([q, torch.randn(3, 4, 64, device=DEVICE)])  # e.g. graph padding
+    out = torch.full_like(padded, float("nan"))
+    paged_attention(padded, kv, bt, sl, qsl, 0.125, out=out)
+    ref = paged_attention_ref(q.cpu(), kv.cpu(), bt.cpu(), sl.cpu(), qsl.cpu(), 0.125)
+    check(out[:5], ref, torch.float32)
+    assert out[5:].isnan().all()
+
+
+def _big_cache(path: str, num_blocks: int, shape_tail: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A cache of > 2^31 elements: real memory on CUDA, a sparse memory-mapped file on the CPU."""
+    if CUDA:
+        return torch.empty((2, num_blocks, *shape_tail), dtype=dtype, device=DEVICE)
+    numel = 2 * num_blocks
+    for s in shape_tail:
+        numel *= s
+    nbytes = numel * torch.empty((), dtype=dtype).element_size()
+    with open(path, "wb") as f:
+        f.truncate(nbytes)  # sparse: only the pages written are stored
+    raw = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    return raw.view(dtype).view(2, num_blocks, *shape_tail)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE])
+def test_int64_offsets_large_cache(tmp_path, dtype):
+    """Block ids past 131072 in a cache of 2^32+ elements: int32 offsets would wrap."""
+    block_size, kv_heads, head_dim = 64, 2, 128  # block stride 16384 elements
+    num_blocks = 140_000  # K offsets of blocks >= 131072 exceed 2^31, V offsets even earlier
+    cache = _big_cache(str(tmp_path / "kv.bin"), num_blocks, (block_size, kv_heads, head_dim), dtype)
+    assert cache.numel() > 2**32
+    reqs = [(100, 1), (10, 40)]
+    ids = [139_999, 131_073, 3, 135_000, 70_000]  # the requests use the first 3
+    qdt = torch.bfloat16
+    q, _, bt, sl, qsl = make_batch(reqs, 8, kv_heads, head_dim, block_size, qdt, seed=8, kv_cache=cache,
+                                   block_ids=ids)
+    g = torch.Generator().manual_seed(9)
+    for b in ids:  # fill the used blocks; then overwrite a few slots through the Triton cache write
+        cache[:, b] = (torch.randn((2, block_size, kv_heads, head_dim), generator=g) * 2).to(dtype).to(DEVICE)
+    slots = torch.tensor([ids[0] * block_size + 5, ids[1] * block_size + 63, -1, ids[3] * block_size,
+                          ids[4] * block_size + 7], dtype=torch.int64)
+    k = torch.randn((len(slots), kv_heads, head_dim), generator=g).to(qdt).to(DEVICE)
+    v = torch.randn((len(slots), kv_heads, head_dim), generator=g).to(qdt).to(DEVICE)
+    one = torch.ones((), device=DEVICE)
+    write_kv_cache(k, v, cache, slots.to(DEVICE), one, one)
+    if dtype == FP8_DTYPE:
+        k, v = quantize_fp8(k, one), quantize_fp8(v, one)
+    for i, slot in enumerate(slots.tolist()):
+        if slot >= 0:
+            blk, off = divmod(slot, block_size)
+            assert torch.equal(cache[0, blk, off].float(), k[i].float())
+            assert torch.equal(cache[1, blk, off].float(), v[i].float())
+    out = torch.full_like(q, float("nan"))
+    paged_attention(q, cache, bt, sl, qsl, head_dim**-0.5, one, one, out=out)
+    # reference on a compact copy of the used blocks
+    small = torch.stack([cache[:, i] for i in ids], dim=1).cpu()
+    small = torch.cat([torch.zeros_like(small[:, :1]), small], dim=1)
+    remap = {b: i + 1 for i, b in enumerate(ids)}
+    bt_small = bt.cpu().apply_(lambda b: remap.get(b, 0))
+    ref = paged_attention_ref(q.cpu(), small, bt_small, sl.cpu(), qsl.cpu(), head_dim**-0.5, one.cpu(), one.cpu())
+    check(out, ref, qdt)
+
+
+def test_launcher_errors():
+    q, kv, bt, sl, qsl = make_batch([(5, 1)], 4, 2, 64, 16, torch.float32)
+    with pytest.raises(TypeError, match="block_tables"):
+        paged_attention(q, kv, bt.long(), sl, qsl, 0.1)
+    with pytest.raises(TypeError, match="kv_cache"):
+        paged_attention(q, kv.to(torch.float16), bt, sl, qsl, 0.1)
+    with pytest.raises(ValueError, match="multiple"):
+        paged_attention(q[:, :3], kv, bt, sl, qsl, 0.1)
+    with pytest.raises(ValueError, match="query_start_loc"):
+        paged_attention(q, kv, bt, sl, qsl[:1], 0.1)
+    with pytest.raises(ValueError, match="kv_cache"):
+        paged_attention(q, kv[..., :32], bt, sl, qsl, 0.1)
+    with pytest.raises(ValueError, match="sliding_window"):
+        paged_attention(q, kv, bt, sl, qsl, 0.1, sliding_window=0)
