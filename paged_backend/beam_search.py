@@ -83,7 +83,7 @@ class BeamSearchRunner:
         max_new = st.params.max_tokens or (self.engine.max_model_len - len(st.prompt_ids))
         # accumulate in float32 like transformers, then rank
         cands = []
-        for b, ((toks, score), lps) in enumerate(zip(st.beams, beam_logprobs, strict=True)):
+        for b, ((_toks, score), lps) in enumerate(zip(st.beams, beam_logprobs, strict=True)):
             for tok, lp in lps.items():
                 total = float(torch.tensor(lp, dtype=torch.float32) + torch.tensor(score, dtype=torch.float32))
                 cands.append((total, b, tok))

@@ -83,9 +83,7 @@ class KVCacheManager:
         """
         if not self.enable_caching:
             return [], 0
-        extend_block_hashes(
-            request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt
-        )
+        extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
         max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
         for block_hash in request.block_hashes[:max_hit_blocks]:
@@ -153,9 +151,15 @@ class KVCacheManager:
         return copies
 
     def free(self, request: Request) -> None:
-        """Release all of the request's blocks, tail first (so they are evicted first), and forget it."""
+        """Release all of the request's blocks, tail first (so they are evicted first), and forget it.
+
+        Pending copies into its blocks are dropped (a COW destination is private to its request).
+        """
         blocks = self._req_blocks.pop(request.request_id, [])
         self._num_cached_blocks.pop(request.request_id, None)
+        if self._pending_copies:
+            own = {b.block_id for b in blocks}
+            self._pending_copies = [(s, d) for s, d in self._pending_copies if d not in own]
         self.block_pool.free_blocks(reversed(blocks))
 
     def fork(self, parent: Request, child: Request) -> None:

@@ -73,3 +73,11 @@ def poison_uninitialized():
     torch.use_deterministic_algorithms(True, warn_only=True)
     yield
     torch.use_deterministic_algorithms(prev, warn_only=True)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    """An fp32 CPU engine on the real SmolLM2, shared by the tests of one module."""
+    from smollm2 import make_llm
+
+    return make_llm()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import functools
 
-import pytest
 import torch
 
 MAX_NEW = 16
@@ -88,8 +87,3 @@ def assert_no_leak(engine) -> None:
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
     assert engine.kv.num_free_blocks == engine.kv.block_pool.num_total_usable
-
-
-@pytest.fixture(scope="module")
-def llm():
-    return make_llm()

@@ -114,11 +114,12 @@ def client(server):
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
-def _greedy_chat(offline, max_tokens: int, messages=CHAT) -> str:
+def _greedy_chat(offline, max_tokens: int, messages=CHAT):
+    """The offline engine's greedy answer (a CompletionOutput: text, token_ids, finish_reason)."""
     from paged_backend import SamplingParams
 
     return offline.chat(messages, SamplingParams(max_tokens=max_tokens, temperature=0.0), use_tqdm=False)[0] \
-        .outputs[0].text
+        .outputs[0]
 
 
 def _greedy(offline, prompts: list[str], max_tokens: int) -> list[str]:
@@ -151,14 +152,15 @@ def test_ready_and_models(server, client):
 
 
 def test_chat_greedy_equals_offline_engine(client, offline):
-    expected = _greedy_chat(offline, 12)
+    want = _greedy_chat(offline, 12)
+    expected, n_tokens = want.text, len(want.token_ids)
     resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0)
     assert resp.object == "chat.completion"
     assert resp.choices[0].message.role == "assistant"
     assert resp.choices[0].message.content == expected
-    assert resp.choices[0].finish_reason == "length"
-    assert resp.usage.completion_tokens == 12
-    assert resp.usage.total_tokens == resp.usage.prompt_tokens + 12
+    assert resp.choices[0].finish_reason == want.finish_reason
+    assert resp.usage.completion_tokens == n_tokens
+    assert resp.usage.total_tokens == resp.usage.prompt_tokens + n_tokens
 
     chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0,
                                                  stream=True, stream_options={"include_usage": True}))
@@ -167,8 +169,8 @@ def test_chat_greedy_equals_offline_engine(client, offline):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == expected
     finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
-    assert finish == ["length"]
-    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 12
+    assert finish == [want.finish_reason]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == n_tokens
     assert all(c.usage is None for c in chunks[:-1])
 
 
@@ -195,7 +197,7 @@ def test_n_stop_logprobs_and_max_tokens(client, offline):
     again = sampled()  # the same seed samples the same answers
     assert [c.message.content for c in again.choices] == [c.message.content for c in resp.choices]
 
-    full = _greedy_chat(offline, 12)
+    full = _greedy_chat(offline, 12).text
     stop = full.split()[2]  # a word in the middle of the greedy answer
     resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=12, temperature=0, stop=[stop])
     assert resp.choices[0].finish_reason == "stop"
@@ -204,7 +206,7 @@ def test_n_stop_logprobs_and_max_tokens(client, offline):
     resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=5, temperature=0, logprobs=True,
                                           top_logprobs=2)
     content = resp.choices[0].logprobs.content
-    assert len(content) == 5 and "".join(t.token for t in content) == resp.choices[0].message.content
+    assert len(content) == resp.usage.completion_tokens and "".join(t.token for t in content) == resp.choices[0].message.content
     for t in content:
         assert len(t.top_logprobs) == 2 and t.logprob <= 0
         assert t.top_logprobs[0].logprob >= t.top_logprobs[1].logprob
@@ -304,7 +306,7 @@ def test_over_long_completion_prompt_names_the_context(client):
 
 
 def test_native_streaming_endpoint(server, offline):
-    expected = _greedy_chat(offline, 8, [{"role": "user", "content": "Say hello."}])
+    expected = _greedy_chat(offline, 8, [{"role": "user", "content": "Say hello."}]).text
     with httpx.Client(timeout=120) as http, http.stream("POST", f"{server.url}/generate",
                                                         json={"prompt": "Say hello.", "max_tokens": 8}) as resp:
         assert resp.status_code == 200

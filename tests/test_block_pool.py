@@ -201,7 +201,9 @@ def test_hash_matches_documented_format() -> None:
     ).digest()
     assert hash_block_tokens(None, tokens, ("salt",)) == expected
     big = [1, 2**40]
-    expected_big = hashlib.sha256(b"P" * 32 + struct.pack("<BI2q", 8, 2, *big) + struct.pack("<I", 0)).digest()
+    expected_big = hashlib.sha256(
+        b"P" * 32 + struct.pack("<BI2q", 8, 2, *big) + struct.pack("<I", 0)
+    ).digest()
     assert hash_block_tokens(b"P" * 32, big) == expected_big
 
 
@@ -219,7 +221,9 @@ def test_hash_depends_on_parent_tokens_and_extra_keys() -> None:
 
 def test_hash_is_stable_across_processes() -> None:
     """Not Python hash(): a fresh interpreter with another hash seed gives the same digest."""
-    code = "from paged_backend.block_hash import hash_block_tokens as h; print(h(None, [5, 6, 7], ('x',)).hex())"
+    code = (
+        "from paged_backend.block_hash import hash_block_tokens as h; print(h(None, [5, 6, 7], ('x',)).hex())"
+    )
     env = dict(os.environ, PYTHONHASHSEED="12345")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert res.returncode == 0, res.stderr

@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 from pydantic import ValidationError
-from smollm2 import PROMPTS, assert_no_leak, hf_model, llm, make_llm, prompt_ids  # noqa: F401
+from smollm2 import PROMPTS, assert_no_leak, hf_model, make_llm, prompt_ids
 
 from paged_backend import InvalidRequestError, SamplingParams
 

@@ -4,7 +4,7 @@ whatever the batching, chunking, prefix caching, preemption or forking did."""
 from __future__ import annotations
 
 import pytest
-from smollm2 import MAX_NEW, PROMPTS, assert_no_leak, hf_beam, hf_greedy, llm, make_llm, prompt_ids  # noqa: F401
+from smollm2 import MAX_NEW, PROMPTS, assert_no_leak, hf_beam, hf_greedy, make_llm, prompt_ids
 
 from paged_backend import SamplingParams
 

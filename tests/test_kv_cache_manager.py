@@ -246,6 +246,21 @@ def test_allocate_returns_none_and_changes_nothing() -> None:
     mgr.free(c)
 
 
+def test_free_drops_pending_copies_into_the_freed_blocks() -> None:
+    mgr = KVCacheManager(num_blocks=11, block_size=BS)
+    parent = make_request("p", list(range(20)))
+    schedule(mgr, parent)
+    child = make_request("c", list(range(20)))
+    child.num_computed_tokens = 20
+    mgr.fork(parent, child)
+    child.append_output_token(1)
+    assert mgr.allocate_slots(child, 1) == []
+    mgr.free(child)  # e.g. aborted before the step ran
+    assert mgr.take_pending_copies() == []
+    assert free_ids(mgr) == [4, 5, 6, 7, 8, 9, 10, 3]
+    assert mgr.get_block_ids("p") == [1, 2]
+
+
 def test_copy_on_write_that_does_not_fit_changes_nothing() -> None:
     mgr = KVCacheManager(num_blocks=3, block_size=BS)  # 2 usable
     parent = make_request("p", list(range(20)))

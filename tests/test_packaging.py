@@ -1,0 +1,40 @@
+"""The generic top-level names ``kernels`` and ``adapters`` are installed under the
+engine's namespace, and nothing shadows anything."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+PROBE = """
+import importlib.util, json, sys
+import paged_backend.kernels as k, paged_backend.adapters as a
+import paged_backend.scheduler, paged_backend.kv_cache_manager, paged_backend.block_pool
+print(json.dumps({
+    "kernels": k.__file__, "adapters": a.__file__,
+    "top_kernels": getattr(importlib.util.find_spec("kernels"), "origin", None),
+    "top_adapters": getattr(importlib.util.find_spec("adapters"), "origin", None),
+    "torch_loaded_by_scheduler": "torch" in sys.modules,
+}))
+"""
+
+
+def test_kernels_and_adapters_live_under_paged_backend(tmp_path):
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, check=True)
+    info = json.loads(out.stdout)
+    assert Path(info["kernels"]).resolve() == ROOT / "kernels" / "__init__.py"
+    assert Path(info["adapters"]).resolve() == ROOT / "adapters" / "__init__.py"
+    # a top-level "kernels"/"adapters", if any, is somebody else's package, never ours
+    for name in ("top_kernels", "top_adapters"):
+        assert info[name] is None or not Path(info[name]).resolve().is_relative_to(ROOT)
+    assert info["torch_loaded_by_scheduler"] is False
+
+
+def test_console_script_help():
+    exe = Path(sys.executable).with_name("paged-backend")
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, check=True)
+    assert "generate" in out.stdout and "bench" in out.stdout
