@@ -162,6 +162,7 @@ class TritonPythonModel:
                 cancelled = status["cancelled"] if inputs.stream else sender.is_cancelled()
                 if cancelled:
                     await stream.aclose()  # aborts the request: its blocks are free now
+                    self.logger.log_info(f"[paged-backend] {rid} cancelled by the client: aborted, blocks freed")
                     self._responses.put((sender, status, self._cancelled(), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
                     return
                 if inputs.stream:

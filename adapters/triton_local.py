@@ -161,12 +161,21 @@ class TritonServer:
                 f"--grpc-port={self.grpc_port}", f"--metrics-port={self.metrics_port}", "--allow-gpu-metrics=false",
                 *self.extra_args]
 
-    def start(self, timeout: float = 600.0) -> TritonServer:
+    def launch(self) -> TritonServer:
+        """Start the process and return at once (the model loads meanwhile; see wait_ready)."""
         runtime = prepare_runtime(self.workdir)
         self._log = open(self.log_file, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(self.command(runtime), env=runtime.env, stdout=self._log,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        self.wait_ready(timeout)
+        return self
+
+    def start(self, timeout: float = 600.0) -> TritonServer:
+        self.launch()
+        try:
+            self.wait_ready(timeout)
+        except BaseException:
+            self.stop()
+            raise
         return self
 
     def wait_ready(self, timeout: float) -> None:

@@ -56,25 +56,25 @@ def _cache_write_kernel(
     FP8: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot < 0:
-        return
-    blk = slot // BLOCK_SIZE
-    off = slot % BLOCK_SIZE
     h = tl.arange(0, H_PAD)[:, None]
     d = tl.arange(0, D_PAD)[None, :]
     mask = (h < num_heads) & (d < HEAD_DIM)
-    dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
-    cache_dt = k_cache_ptr.dtype.element_ty
+    # loads first (independent of the slot), then one masked store per half: no branch to wait on
     k = tl.load(key_ptr + t * stride_kt + h * stride_kh + d, mask=mask, other=0.0).to(tl.float32)
     v = tl.load(value_ptr + t * stride_vt + h * stride_vh + d, mask=mask, other=0.0).to(tl.float32)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
     ks = 1.0
     vs = 1.0
     if FP8:
         ks = tl.load(k_scale_ptr)
         vs = tl.load(v_scale_ptr)
-    tl.store(k_cache_ptr + dst, _quantize(k, ks, FP8, cache_dt), mask=mask)
-    tl.store(v_cache_ptr + dst, _quantize(v, vs, FP8, cache_dt), mask=mask)
+    blk = slot // BLOCK_SIZE
+    off = slot % BLOCK_SIZE
+    dst = blk * stride_cb + off * stride_cs + h * stride_ch + d
+    keep = mask & ((tl.zeros([H_PAD, D_PAD], dtype=tl.int64) + slot) >= 0)
+    cache_dt = k_cache_ptr.dtype.element_ty
+    tl.store(k_cache_ptr + dst, _quantize(k, ks, FP8, cache_dt), mask=keep)
+    tl.store(v_cache_ptr + dst, _quantize(v, vs, FP8, cache_dt), mask=keep)
 
 
 def write_kv_cache(

@@ -32,14 +32,15 @@ def write_kv_cache_ref(
         return
     nb, bs = kv_cache.shape[1], kv_cache.shape[2]
     flat = kv_cache.view(2, nb * bs, kv_cache.shape[3], kv_cache.shape[4])
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k, v = key[keep], value[keep]
+    slots, k, v = slot_mapping, key, value
+    if bool((slot_mapping < 0).any()):
+        keep = slot_mapping >= 0
+        slots, k, v = slot_mapping[keep], key[keep], value[keep]
     if kv_cache.dtype == FP8_DTYPE:
         one = torch.ones((), dtype=torch.float32, device=key.device)
         k = quantize_fp8(k, k_scale if k_scale is not None else one)
         v = quantize_fp8(v, v_scale if v_scale is not None else one)
     else:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
-    flat[0, slots] = k
-    flat[1, slots] = v
+    flat[0].index_copy_(0, slots, k)
+    flat[1].index_copy_(0, slots, v)

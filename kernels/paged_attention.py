@@ -11,22 +11,24 @@ BLOCK_Q consecutive tokens of one request times the G = H / Hkv query heads shar
 KV head, packed into BLOCK_M = BLOCK_Q * G rows (row r = token r // G, head r % G), so
 GQA of any ratio reads each K/V tile once for all its heads::
 
-    grid axis 0: q tiles of all requests, request i's start at qsl[i] // BLOCK_Q + i
-                 (found by binary search; spare programs exit), axis 1: KV head,
-    axis 2: context split (flash decoding: few long requests still fill the GPU;
+    grid axis 0: (q tile, KV head), heads fastest so one q tile's heads run together;
+            q tiles of all requests, last first (causal: most work first); request i's
+            tiles start at qsl[i] // BLOCK_Q + i (found by binary search; spare programs
+            exit); with <= 1 new token per request (DECODE_ONLY) the q tile is the request
+    axis 1: context split (flash decoding: few long requests still fill the GPU;
             partial (acc, max, sum) per split, merged by _reduce_splits_kernel)
 
     positions  0 ......... full_hi*TILE_N ....... q_first ... q_last
                [ tiles seen whole by every row ][ causal tiles, masked ]
 
 Each KV tile of TILE_N positions gathers its rows from their pages (block id per position,
-int64 offsets). FP8 caches are dequantized in the kernel: K's scale folds into the score
-scale, V's into the output.
+int64 offsets). FP8 caches are dequantized in the kernel: e4m3 converts exactly to fp16
+(the dot operand type then; q is pre-scaled by the softmax scale to stay in fp16 range),
+K's scale folds into the score scale, V's into the output.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 
 import torch
@@ -44,6 +46,7 @@ from paged_backend.kernels._launch import (
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE
 
 LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
 
 
 @triton.jit
@@ -58,7 +61,7 @@ def _attend_tiles(
     qpos,  # [BLOCK_M] int32, position of each row's query
     seq_len,
     window,
-    qk_scale,  # softmax scale * log2(e) (* k_scale for fp8)
+    qk_scale,  # score scale, log2 domain: softmax scale * log2(e), or k_scale * log2(e) (q pre-scaled)
     tile_lo,
     tile_hi,
     stride_kb,
@@ -131,7 +134,8 @@ def _paged_attention_kernel(
     qsl_ptr,  # int32 [num_seqs + 1]
     k_scale_ptr,  # float32 [1]
     v_scale_ptr,  # float32 [1]
-    qk_scale,  # softmax scale * log2(e)
+    sm_scale,  # softmax scale
+    num_kv_heads,
     num_seqs,
     num_splits,
     window,
@@ -163,9 +167,9 @@ def _paged_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
 ):
-    pid = tl.program_id(0)
-    kvh = tl.program_id(1)
-    split = tl.program_id(2)
+    kvh = tl.program_id(0) % num_kv_heads  # heads fastest: one q tile's heads run side by side
+    pid = tl.num_programs(0) // num_kv_heads - 1 - tl.program_id(0) // num_kv_heads  # last q tiles first
+    split = tl.program_id(1)
 
     if DECODE_ONLY:  # one query token per request: program = request
         seq = pid
@@ -201,11 +205,13 @@ def _paged_attention_kernel(
     dmask = offs_d < HEAD_DIM
     t_idx = (q_start + tok).to(tl.int64)
     q_off = t_idx[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0).to(DOT_DTYPE)
-
-    scale = qk_scale
-    if FP8:
-        scale = qk_scale * tl.load(k_scale_ptr)
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
+    if FP8:  # fp16 operands (e4m3 converts to fp16 exactly and cheaply); q pre-scaled keeps it in range
+        q = (q * sm_scale).to(DOT_DTYPE)
+        scale = LOG2E_C * tl.load(k_scale_ptr)
+    else:
+        q = q.to(DOT_DTYPE)
+        scale = sm_scale * LOG2E_C
 
     # KV positions this tile needs: [kv_lo, q_last], tiles of TILE_N.
     q_first = ctx + q_tile * BLOCK_Q
@@ -315,15 +321,32 @@ class AttentionConfig:
     num_stages: int
 
 
-def pick_config(max_query_len: int, group: int, head_dim: int, fp8: bool) -> AttentionConfig:
-    """Decode-shaped steps get small query tiles (memory bound); prefill big ones (matmul bound)."""
+SMEM_BUDGET = 224 * 1024  # bytes of shared memory a program may plan for (H200: 227 KB)
+
+
+def pick_config(max_query_len: int, group: int, head_dim: int, kv_elem: int = 2, q_elem: int = 2) -> AttentionConfig:
+    """Decode-shaped steps get small query tiles (memory bound); prefill big ones (matmul bound).
+
+    From H200 sweeps (docs/BENCHMARKS.md): 128-position KV tiles, 3 stages, shrunk until
+    the pipelined K/V tiles (``kv_elem`` bytes each) and the q tile fit in shared memory.
+    """
     d_pad = next_pow2(head_dim)
     if max_query_len * group <= 16:
-        return AttentionConfig(block_m=max(16, next_pow2(group)), tile_n=128 if fp8 else 64, num_warps=4,
-                               num_stages=3)
-    block_m = 128 if d_pad <= 128 else 64
-    return AttentionConfig(block_m=max(block_m, next_pow2(group)), tile_n=64, num_warps=8 if d_pad >= 128 else 4,
-                           num_stages=3 if d_pad <= 128 else 2)
+        block_m, tile_n, warps, stages = max(16, next_pow2(group)), 128, 4, 3
+    elif d_pad <= 128:
+        block_m, tile_n, warps, stages = max(128, next_pow2(group)), 128, 8, 3
+    else:
+        block_m, tile_n, warps, stages = max(64, next_pow2(group)), 64, 8, 2
+
+    def smem(tn: int, st: int) -> int:
+        return st * 2 * tn * d_pad * kv_elem + block_m * d_pad * q_elem
+
+    while smem(tile_n, stages) > SMEM_BUDGET and (stages > 2 or tile_n > 16):
+        if stages > 2:
+            stages -= 1
+        else:
+            tile_n //= 2
+    return AttentionConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
 
 
 _SM_COUNT: dict[int, int] = {}
@@ -336,29 +359,16 @@ def _sm_count(device: torch.device) -> int:
     return _SM_COUNT[idx]
 
 
-@functools.lru_cache(maxsize=4096)
-def _best_splits(num_programs: int, max_tiles: int, slots: int) -> int:
-    """Split count minimising waves x (tiles per split + fixed cost): a small cost model."""
-    best, best_cost = 1, float("inf")
-    for s in range(1, min(64, max(1, max_tiles // 2)) + 1):
-        waves = -(-num_programs * s // slots)
-        cost = waves * (-(-max_tiles // s) + 2)
-        if cost < best_cost:
-            best, best_cost = s, cost
-    return best
-
-
 def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
     """Context splits so few long requests still fill the GPU; 1 on the CPU or when already full.
 
-    Assumes two programs resident per SM (the decode config's shared memory).
+    About two programs per SM, each split keeping >= 2 KV tiles (best in H200 sweeps).
     """
     if device.type != "cuda":
         return 1
-    slots = 2 * _sm_count(device)
-    if num_programs >= slots:
-        return 1
-    return _best_splits(num_programs, triton.cdiv(max_seq_len, tile_n), slots)
+    target = 2 * _sm_count(device)
+    max_by_len = max(1, triton.cdiv(max_seq_len, tile_n) // 2)
+    return int(max(1, min(target // max(num_programs, 1), max_by_len, 64)))
 
 
 def paged_attention(
@@ -413,7 +423,7 @@ def paged_attention(
         max_seq_len = int(seq_lens.max().item())
 
     group = h // hkv
-    cfg = config or pick_config(max_query_len, group, d, fp8)
+    cfg = config or pick_config(max_query_len, group, d, kv_cache.element_size(), query.element_size())
     if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
         raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
     block_q = cfg.block_m // group
@@ -439,11 +449,11 @@ def paged_attention(
         m_buf = l_buf = out  # unused
         dst, o_st, o_sh, o_ss = out, out.stride(0), out.stride(1), 0
         m_st = m_ss = 0
-    dot_dt = dot_dtype(query.dtype)
+    dot_dt = dot_dtype(torch.float16 if fp8 and query.dtype != torch.float32 else query.dtype)
     precision = "ieee" if query.dtype == torch.float32 or interpreting() else "tf32"
-    _paged_attention_kernel[(grid_q, hkv, num_splits)](
+    _paged_attention_kernel[(grid_q * hkv, num_splits)](
         query, kc, vc, dst, m_buf, l_buf, block_tables, seq_lens, query_start_loc, ks, vs,
-        float(scale) * LOG2E, num_seqs, num_splits, int(sliding_window or 0),
+        float(scale), hkv, num_seqs, num_splits, int(sliding_window or 0),
         query.stride(0), query.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),

@@ -13,6 +13,7 @@ are done in one padded batch; requests with several new tokens one at a time.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 
 def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int, scale: torch.Tensor | None) -> torch.Tensor:
@@ -30,20 +31,25 @@ def _attend(
     q: torch.Tensor,  # [B, Q, H, D] float32
     k: torch.Tensor,  # [B, L, Hkv, D] float32
     v: torch.Tensor,  # [B, L, Hkv, D] float32
-    mask: torch.Tensor,  # [B, Q, L] bool, True = attend
+    mask: torch.Tensor | None,  # [B, Q, L] bool, True = attend; None = plain causal (Q == L)
     scale: float,
 ) -> torch.Tensor:  # [B, Q, H, D] float32
+    """Exact softmax attention through torch's SDPA (GQA without copying K/V)."""
     b, nq, h, d = q.shape
     hkv = k.shape[2]
-    g = h // hkv
-    qg = q.view(b, nq, hkv, g, d).permute(0, 2, 3, 1, 4)  # [B, Hkv, G, Q, D]
-    kt = k.permute(0, 2, 3, 1).unsqueeze(2)  # [B, Hkv, 1, D, L]
-    s = torch.matmul(qg, kt) * scale  # [B, Hkv, G, Q, L]
-    s = s.masked_fill(~mask[:, None, None], float("-inf"))
-    p = torch.softmax(s, dim=-1)
-    p = torch.nan_to_num(p, nan=0.0)  # rows with nothing to attend (padding) -> 0
-    o = torch.matmul(p, v.permute(0, 2, 1, 3).unsqueeze(2))  # [B, Hkv, G, Q, D]
-    return o.permute(0, 3, 1, 2, 4).reshape(b, nq, h, d)
+    kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
+    if nq == 1 and mask is not None:
+        # decode: the G query heads of a KV head are rows of one [G, D] query
+        qg = q.view(b, hkv, h // hkv, d)
+        o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask[:, None], scale=scale)
+        return o.reshape(b, 1, h, d)
+    qt = q.transpose(1, 2)
+    gqa = {"enable_gqa": True} if hkv != h else {}
+    if mask is None:
+        o = F.scaled_dot_product_attention(qt, kt, vt, is_causal=True, scale=scale, **gqa)
+    else:
+        o = F.scaled_dot_product_attention(qt, kt, vt, attn_mask=mask[:, None], scale=scale, **gqa)
+    return o.transpose(1, 2)
 
 
 def paged_attention_ref(
@@ -98,11 +104,14 @@ def paged_attention_ref(
         bt = block_tables[i, :nblk]
         k = _gather(kv_cache[0], bt, length, ks)[None]
         v = _gather(kv_cache[1], bt, length, vs)[None]
-        qpos = torch.arange(ql, device=query.device)[:, None] + ctx
-        kpos = torch.arange(length, device=query.device)[None, :]
-        mask = kpos <= qpos
-        if sliding_window is not None:
-            mask &= kpos > qpos - sliding_window
         q = query[qsl[i] : qsl[i + 1]].float()[None]
-        out[qsl[i] : qsl[i + 1]] = _attend(q, k, v, mask[None], scale)[0]
+        mask = None
+        if ctx > 0 or sliding_window is not None:
+            qpos = torch.arange(ql, device=query.device)[:, None] + ctx
+            kpos = torch.arange(length, device=query.device)[None, :]
+            mask = kpos <= qpos
+            if sliding_window is not None:
+                mask &= kpos > qpos - sliding_window
+            mask = mask[None]
+        out[qsl[i] : qsl[i + 1]] = _attend(q, k, v, mask, scale)[0]
     return out.to(query.dtype)

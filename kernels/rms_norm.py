@@ -33,6 +33,7 @@ def _rms_norm_kernel(
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     mask = cols < hidden
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)  # before any store: no alias wait
     x = tl.load(x_ptr + t * stride_xt + cols, mask=mask, other=0.0).to(tl.float32)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + t * stride_rt + cols, mask=mask, other=0.0).to(tl.float32)
@@ -41,7 +42,6 @@ def _rms_norm_kernel(
         x = s.to(tl.float32)
     var = tl.sum(x * x, axis=0) / hidden
     normed = (x * tl.rsqrt(var + eps)).to(x_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_ot + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -86,6 +86,6 @@ def rms_norm(
         hidden,
         BLOCK_H=block,
         HAS_RESIDUAL=residual is not None,
-        num_warps=min(16, max(1, block // 512)),
+        num_warps=4 if block <= 4096 else (8 if block <= 16384 else 16),
     )
     return out, res_out

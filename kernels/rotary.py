@@ -6,7 +6,9 @@ sin in ``[:, D/2:]`` (llama3/linear scaling are baked into it by ``rope_inv_freq
     out[:half] = x1 * cos - x2 * sin        out[half:] = x2 * cos + x1 * sin
 
 Every product and sum is rounded to the activation dtype as torch (and HF) round them,
-so results equal the reference bit for bit up to the table lookup.
+so the interpreter matches the reference bit for bit; compiled, LLVM may narrow a
+product and the sum to bf16/fp16 and fuse them into one FMA (one rounding instead of
+two), so the GPU can differ from the reference by one unit in the last place.
 """
 
 from __future__ import annotations
@@ -18,14 +20,24 @@ from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tens
 
 
 @triton.jit
-def _rotate_heads(
-    x_ptr,  # [T, NH, D] (this token's row is at x_ptr)
-    o_ptr,  # [T, NH, D] (this token's row is at o_ptr)
+def _load_halves(x_ptr, num_heads, stride_h, HALF: tl.constexpr, H_PAD: tl.constexpr, HALF_PAD: tl.constexpr):
+    """This token's heads of x [NH, D] as float32 halves [H_PAD, HALF_PAD] each."""
+    h = tl.arange(0, H_PAD)[:, None]
+    i = tl.arange(0, HALF_PAD)[None, :]
+    mask = (h < num_heads) & (i < HALF)
+    x1 = tl.load(x_ptr + h * stride_h + i, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + h * stride_h + HALF + i, mask=mask, other=0.0).to(tl.float32)
+    return x1, x2
+
+
+@triton.jit
+def _store_rotated(
+    o_ptr,  # [NH, D] contiguous (this token's row)
+    x1,  # [H_PAD, HALF_PAD] float32
+    x2,
     cos,  # [HALF_PAD] float32, already rounded to the dtype
-    sin,  # [HALF_PAD] float32
+    sin,
     num_heads,
-    stride_h,
-    stride_oh,
     HALF: tl.constexpr,
     H_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
@@ -34,16 +46,14 @@ def _rotate_heads(
     h = tl.arange(0, H_PAD)[:, None]
     i = tl.arange(0, HALF_PAD)[None, :]
     mask = (h < num_heads) & (i < HALF)
-    x1 = tl.load(x_ptr + h * stride_h + i, mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(x_ptr + h * stride_h + HALF + i, mask=mask, other=0.0).to(tl.float32)
     c = cos[None, :]
     s = sin[None, :]
     a1 = (x1 * c).to(dt).to(tl.float32)
     b1 = (-x2 * s).to(dt).to(tl.float32)
     a2 = (x2 * c).to(dt).to(tl.float32)
     b2 = (x1 * s).to(dt).to(tl.float32)
-    tl.store(o_ptr + h * stride_oh + i, (a1 + b1).to(dt), mask=mask)
-    tl.store(o_ptr + h * stride_oh + HALF + i, (a2 + b2).to(dt), mask=mask)
+    tl.store(o_ptr + h * (2 * HALF) + i, (a1 + b1).to(dt), mask=mask)
+    tl.store(o_ptr + h * (2 * HALF) + HALF + i, (a2 + b2).to(dt), mask=mask)
 
 
 @triton.jit
@@ -67,17 +77,17 @@ def _rotary_kernel(
     HK_PAD: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    # every load first: stores to the outputs could alias them, so nothing moves past a store
+    q1, q2 = _load_halves(q_ptr + t * stride_qt, num_q_heads, stride_qh, HALF, HQ_PAD, HALF_PAD)
+    k1, k2 = _load_halves(k_ptr + t * stride_kt, num_k_heads, stride_kh, HALF, HK_PAD, HALF_PAD)
     pos = tl.load(pos_ptr + t).to(tl.int64)
     i = tl.arange(0, HALF_PAD)
     imask = i < HALF
     dt = qo_ptr.dtype.element_ty
     cos = tl.load(cs_ptr + pos * stride_cs + i, mask=imask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=imask, other=0.0).to(dt).to(tl.float32)
-    d = 2 * HALF
-    _rotate_heads(q_ptr + t * stride_qt, qo_ptr + t * num_q_heads * d, cos, sin, num_q_heads, stride_qh, d,
-                  HALF, HQ_PAD, HALF_PAD)
-    _rotate_heads(k_ptr + t * stride_kt, ko_ptr + t * num_k_heads * d, cos, sin, num_k_heads, stride_kh, d,
-                  HALF, HK_PAD, HALF_PAD)
+    _store_rotated(qo_ptr + t * num_q_heads * (2 * HALF), q1, q2, cos, sin, num_q_heads, HALF, HQ_PAD, HALF_PAD)
+    _store_rotated(ko_ptr + t * num_k_heads * (2 * HALF), k1, k2, cos, sin, num_k_heads, HALF, HK_PAD, HALF_PAD)
 
 
 def rotary(

