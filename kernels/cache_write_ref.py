@@ -42,5 +42,7 @@ def write_kv_cache_ref(
         v = quantize_fp8(v, v_scale if v_scale is not None else one)
     else:
         k, v = k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+    if kv_cache.dtype == FP8_DTYPE:  # index_copy_ has no fp8 kernel on the CPU: copy the bytes
+        flat, k, v = flat.view(torch.uint8), k.view(torch.uint8), v.view(torch.uint8)
     flat[0].index_copy_(0, slots, k)
     flat[1].index_copy_(0, slots, v)

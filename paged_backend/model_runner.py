@@ -19,6 +19,7 @@ import torch
 from paged_backend.attention import AttentionMetadata, get_attention_backend
 from paged_backend.config import EngineConfig
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+from paged_backend.kernels_ops import get_kernel_ops
 from paged_backend.model_info import ModelInfo
 from paged_backend.model_loader import load_model
 from paged_backend.scheduler import SchedulerOutput
@@ -44,10 +45,23 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.attn_backend = get_attention_backend(config.attention_backend, device)
-        self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format)
+        ops = get_kernel_ops(device, "torch" if config.attention_backend == "torch" else "auto")
+        self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format, ops=ops)
         self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
+        if config.fp8_kv:
+            self._setup_kv_scales()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+
+    def _setup_kv_scales(self) -> None:
+        """FP8 KV: scales from the checkpoint, else from the first batch if asked, else 1.0."""
+        attns = [m for m in self.model.modules() if hasattr(m, "calibrate_kv_scales")]
+        if self.config.calculate_kv_scales:
+            for m in attns:
+                m.calibrate_kv_scales = True
+        elif all(float(m.k_scale) == 1.0 and float(m.v_scale) == 1.0 for m in attns):
+            logger.warning("fp8 KV cache: the checkpoint has no k_scale/v_scale; using 1.0 "
+                           "(pass --calculate-kv-scales to compute them from the first batch)")
 
     # -- KV cache --------------------------------------------------------------------
 
@@ -103,9 +117,14 @@ class ModelRunner:
             max_query_len=num_tokens, max_seq_len=num_tokens, block_size=bs,
             seq_lens_cpu=[num_tokens], query_lens_cpu=[num_tokens],
         )
+        attns = [m for m in self.model.modules() if getattr(m, "calibrate_kv_scales", False)]
+        for m in attns:  # a dummy batch must not set the fp8 scales
+            m.calibrate_kv_scales = False
         with torch.inference_mode():
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), pos, caches, meta)
             self.model.compute_logits(hidden[: min(num_tokens, self.config.max_num_seqs)])
+        for m in attns:
+            m.calibrate_kv_scales = True
         del caches
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

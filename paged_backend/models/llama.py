@@ -70,6 +70,7 @@ class LlamaAttention(nn.Module):
         # KV-cache quantization scales (1.0 unless the checkpoint has them)
         self.register_buffer("k_scale", torch.empty((), dtype=torch.float32), persistent=False)
         self.register_buffer("v_scale", torch.empty((), dtype=torch.float32), persistent=False)
+        self.calibrate_kv_scales = False  # set by --calculate-kv-scales: scales from the first batch
         self.init_buffers()
 
     def init_buffers(self) -> None:
@@ -90,6 +91,11 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
         q, k = self.rotary_emb(positions, q, k)
+        if self.calibrate_kv_scales and t > 0:
+            # fp8 e4m3 holds +-448: scale so the first batch's largest |K| / |V| fits exactly
+            self.k_scale.copy_(k.detach().abs().amax().float().clamp_min(1e-6) / 448.0)
+            self.v_scale.copy_(v.detach().abs().amax().float().clamp_min(1e-6) / 448.0)
+            self.calibrate_kv_scales = False
         if meta.sliding_window != self.sliding_window:
             meta = replace(meta, sliding_window=self.sliding_window)
         o = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
