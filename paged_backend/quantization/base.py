@@ -1,0 +1,124 @@
+"""The linear-method interface (vLLM's LinearMethodBase shape) and the per-parameter loaders
+that quantized formats share.
+
+A ``QuantizationConfig`` is parsed once from the checkpoint's ``quantization_config`` and
+hands each linear layer a ``LinearMethod`` (or None: that layer stays unquantized)::
+
+    method.create_weights(layer, in_features, out_sizes, dtype)   registers the checkpoint's
+        tensors as parameters, each with its own ``weight_loader(param, tensor, shard_id)``
+    ... model.load_weights streams tensors through those loaders (fused q|k|v, gate|up too) ...
+    method.process_weights_after_loading(layer)                   repack into the kernel layout
+    method.apply(layer, x, bias) -> y                             the forward
+
+``layer`` is a ``FusedLinear``: ``layer.shard_range(shard_id)`` gives a shard's
+(offset, size) in output features, ``layer.shard_ids`` the shard names.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+
+class LinearMethod(ABC):
+    """How one linear layer holds, loads and applies its weights."""
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module, in_features: int, out_sizes: Sequence[int], dtype: torch.dtype) -> None:
+        """Registers the checkpoint-format parameters on ``layer`` (each with a ``weight_loader``)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        """Converts the loaded parameters into what ``apply`` uses (default: nothing to do)."""
+
+    @abstractmethod
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``y = x @ W.T + bias`` for ``x`` [T, in_features] -> [T, sum(out_sizes)] in x's dtype."""
+
+
+class QuantizationConfig(ABC):
+    """One checkpoint's quantization settings; picks the linear method of each layer."""
+
+    name: ClassVar[str]  # the ``quant_method`` / ``--quantization`` value
+
+    @classmethod
+    @abstractmethod
+    def from_config(cls, cfg: dict[str, Any]) -> QuantizationConfig:
+        """Parses and validates ``quantization_config`` (ValueError naming the bad key)."""
+
+    @abstractmethod
+    def get_linear_method(self, prefix: str, shard_names: Sequence[str]) -> LinearMethod | None:
+        """The method for the linear ``prefix`` (our name) whose checkpoint names are ``shard_names``;
+        None keeps it unquantized."""
+
+
+def quant_param(
+    layer: nn.Module,
+    name: str,
+    shape: Sequence[int],
+    dtype: torch.dtype,
+    out_dim: int | None,
+    pack: int = 1,
+) -> nn.Parameter:
+    """Registers a parameter whose fused shards stack along ``out_dim``; each element there holds
+    ``pack`` output features (e.g. 8 int4 zeros per int32). ``out_dim=None``: one row per shard."""
+    loader = _per_shard_loader(layer) if out_dim is None else _stacked_loader(layer, out_dim, pack)
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader
+    param.shard_ids = layer.shard_ids
+    layer.register_parameter(name, param)
+    return param
+
+
+def _check(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch: checkpoint has {tuple(src.shape)}, {what} expects {tuple(dst.shape)}")
+
+
+def _check_shard(layer: nn.Module, shard_id) -> None:
+    if shard_id is None and layer.shard_ids:
+        raise ValueError(f"fused parameter needs a shard id (one of {layer.shard_ids})")
+    if shard_id is not None and shard_id not in layer.shard_ids:
+        raise ValueError(f"unknown shard {shard_id!r} (expected one of {layer.shard_ids})")
+
+
+def _stacked_loader(layer: nn.Module, out_dim: int, pack: int):
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_shard(layer, shard_id)
+        if shard_id is None:
+            _check(param.data, loaded, "parameter")
+            param.data.copy_(loaded)
+            return
+        offset, size = layer.shard_range(shard_id)
+        if offset % pack or size % pack:
+            raise ValueError(f"shard {shard_id!r} of {size} outputs is not a multiple of the packing ({pack})")
+        dst = param.data.narrow(out_dim, offset // pack, size // pack)
+        _check(dst, loaded, f"shard {shard_id!r}")
+        dst.copy_(loaded)
+
+    return load
+
+
+def _per_shard_loader(layer: nn.Module):
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
+        _check_shard(layer, shard_id)
+        dst = param.data[layer.shard_ids.index(shard_id) if shard_id is not None else 0]
+        _check(dst, loaded.reshape(dst.shape) if loaded.numel() == dst.numel() == 1 else loaded, "parameter")
+        dst.copy_(loaded.reshape(dst.shape))
+
+    return load
+
+
+def num_shards(layer: nn.Module) -> int:
+    return max(1, len(layer.shard_ids))
+
+
+def replace_param(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:
+    """Swaps a loaded checkpoint parameter for its processed form (None deletes it)."""
+    if name in layer._parameters:
+        del layer._parameters[name]
+    if value is not None:
+        layer.register_parameter(name, nn.Parameter(value, requires_grad=False))

@@ -1,0 +1,117 @@
+"""What the int4 formats share: unpacking helpers, the repack into the kernel layout (see
+``kernels/int4_gemm_ref.py``) and the forward (Triton on CUDA, dequantize + matmul elsewhere).
+
+Each format's ``process_weights_after_loading`` unpacks its tensors to plain
+``q uint8 [K, N]``, ``zeros uint8 [G, N]``, ``scales float32 [G, N]`` and an optional
+``g_idx [K]`` and calls ``Int4LinearMethod.finalize``, so AWQ, GPTQ and compressed-tensors
+end in one layout and one kernel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from paged_backend.kernels.int4_gemm_ref import int4_gemm_ref, pack_int4
+from paged_backend.quantization.base import LinearMethod
+
+SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+KERNELS = ("auto", "torch", "triton")
+
+
+def check_int4_config(method: str, bits: object, group_size: object) -> int:
+    """Validates bits/group_size of an int4 config; returns the group size."""
+    if bits != 4:
+        raise ValueError(f"{method}: bits={bits} is not supported (only 4-bit weights)")
+    if group_size not in SUPPORTED_GROUP_SIZES:
+        raise ValueError(
+            f"{method}: group_size={group_size} is not supported (one of {', '.join(map(str, SUPPORTED_GROUP_SIZES))})"
+        )
+    return int(group_size)
+
+
+def unpack_int32_cols(packed: torch.Tensor, order: Sequence[int] | None = None) -> torch.Tensor:
+    """int32 [R, C] -> uint8 [R, 8C]: nibble i of word c is column ``8c + order[i]`` (default i)."""
+    shifts = torch.arange(8, dtype=torch.int32, device=packed.device) * 4
+    nibbles = (packed.unsqueeze(-1) >> shifts) & 0xF  # [R, C, 8], nibble i
+    if order is not None:
+        cols = torch.empty_like(nibbles)
+        cols[..., list(order)] = nibbles
+        nibbles = cols
+    return nibbles.reshape(packed.shape[0], -1).to(torch.uint8)
+
+
+def groups_of(in_features: int, group_size: int, prefix: str) -> int:
+    """Number of quantization groups along K; ValueError naming the layer when they do not tile K."""
+    if group_size == -1:
+        return 1
+    if in_features % group_size:
+        raise ValueError(f"{prefix}: in_features={in_features} is not a multiple of group_size={group_size}")
+    return in_features // group_size
+
+
+def act_order_perm(g_idx: torch.Tensor, group_size: int, prefix: str) -> torch.Tensor | None:
+    """The load-time permutation that makes act-order groups contiguous (None when they already are).
+
+    Sorting rows by group gives row k the group ``k // group_size``; the kernel then reads
+    activation column ``perm[k]`` for weight row k.
+    """
+    k = g_idx.numel()
+    gs = k if group_size == -1 else group_size
+    contiguous = torch.arange(k, device=g_idx.device) // gs
+    g_idx = g_idx.to(torch.long)
+    if torch.equal(g_idx, contiguous):
+        return None
+    perm = torch.argsort(g_idx, stable=True)
+    if not torch.equal(g_idx[perm], contiguous):
+        raise ValueError(f"{prefix}: g_idx does not give every group exactly {gs} rows; cannot repack act-order")
+    return perm.to(torch.int32)
+
+
+class Int4LinearMethod(LinearMethod):
+    """Shared repack + forward of the int4 formats (subclasses own the checkpoint layout)."""
+
+    def __init__(self, group_size: int, prefix: str, kernel: str = "auto") -> None:
+        if kernel not in KERNELS:
+            raise ValueError(f"unknown int4 kernel {kernel!r} ({', '.join(KERNELS)})")
+        self.group_size = group_size
+        self.prefix = prefix
+        self.kernel = kernel
+
+    def finalize(
+        self,
+        layer: nn.Module,
+        q: torch.Tensor,  # uint8 [K, N]
+        zeros: torch.Tensor,  # uint8 [G, N]
+        scales: torch.Tensor,  # [G, N]
+        g_idx: torch.Tensor | None,  # [K] or None (contiguous groups)
+    ) -> None:
+        """Registers the kernel layout as buffers ``w4_qweight/w4_scales/w4_zeros/w4_perm``."""
+        perm = act_order_perm(g_idx, self.group_size, self.prefix) if g_idx is not None else None
+        if perm is not None:
+            q = q.index_select(0, perm.to(torch.long))
+        layer.register_buffer("w4_qweight", pack_int4(q).contiguous())
+        layer.register_buffer("w4_scales", scales.to(torch.float32).contiguous())
+        layer.register_buffer("w4_zeros", zeros.to(torch.uint8).contiguous())
+        layer.register_buffer("w4_perm", perm)
+
+    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        lead, k = x.shape[:-1], x.shape[-1]
+        x2 = x.reshape(-1, k)
+        args = (layer.w4_qweight, layer.w4_scales, layer.w4_zeros, self.group_size, layer.w4_perm, bias)
+        if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
+            from paged_backend.kernels.int4_gemm import int4_gemm
+
+            y = int4_gemm(x2.contiguous(), *args)
+        else:
+            y = int4_gemm_ref(x2, *args)
+        return y.reshape(*lead, y.shape[-1])
+
+
+def shared_g_idx(g_idx: torch.Tensor, prefix: str, what: str) -> torch.Tensor:
+    """One g_idx for a fused layer: q/k/v (gate/up) see the same input, so act-order must agree."""
+    if any(not torch.equal(g_idx[0], g) for g in g_idx[1:]):
+        raise ValueError(f"{prefix}: the fused shards' {what} differ; cannot share one act-order permutation")
+    return g_idx[0]
