@@ -20,7 +20,9 @@ from torch import nn
 from paged_backend.attention.backend import AttentionBackend
 from paged_backend.model_info import ModelInfo
 from paged_backend.models import ModelOps, get_model_class
+from paged_backend.models.layers import FusedLinear
 from paged_backend.models.llama import LlamaForCausalLM
+from paged_backend.quantization import QuantizationConfig, get_quantization_config
 
 INDEX_FILE = "model.safetensors.index.json"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -149,19 +151,44 @@ def load_model(
     attn_backend: AttentionBackend,
     load_format: str = "auto",
     ops: ModelOps | None = None,
+    quantization: str | None = None,
 ) -> LlamaForCausalLM:
-    """Builds the model for ``info.architecture`` on ``device`` with weights from ``model_dir``."""
+    """Builds the model for ``info.architecture`` on ``device`` with weights from ``model_dir``.
+
+    Quantized checkpoints: the method comes from the checkpoint's config; ``quantization``
+    (``--quantization``) must agree with it.
+    """
     model_dir, device = Path(model_dir), torch.device(device)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
+    quant_config = get_quantization_config(model_dir, info.quantization_config, quantization)
+    if quant_config is not None and load_format == "dummy":
+        raise ValueError(f"load_format='dummy' does not support quantized checkpoints ({quant_config.name})")
     files = [] if load_format == "dummy" else find_safetensors(model_dir)
     cls = get_model_class(info.architecture)
     with torch.device("meta"):
         model = cls(info, attn_backend, dtype, ops)
+        if quant_config is not None:
+            set_linear_methods(model, quant_config)
     materialize(model, device)
     model.init_buffers()
     if load_format == "dummy":
         init_dummy_weights(model)
     else:
         load_safetensors_weights(model, model_dir, files)
+    if quant_config is not None:
+        for module in model.modules():
+            if isinstance(module, FusedLinear) and module.linear_method is not None:
+                module.linear_method.process_weights_after_loading(module)
     return model.eval()
+
+
+def set_linear_methods(model: LlamaForCausalLM, quant_config: QuantizationConfig) -> None:
+    """Gives each linear the method the config picks for it (a tied lm_head stays dense)."""
+    for name, module in model.named_modules():
+        if not isinstance(module, FusedLinear) or (name == "lm_head" and model.info.tie_word_embeddings):
+            continue
+        shard_names = [n.removesuffix(".weight") for n in model.checkpoint_names(f"{name}.weight")]
+        method = quant_config.get_linear_method(name, shard_names)
+        if method is not None:
+            module.set_linear_method(method)

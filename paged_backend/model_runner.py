@@ -45,8 +45,11 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = config.block_size
         self.attn_backend = get_attention_backend(config.attention_backend, device)
+        # memory other engines / programs held before this one loaded (not ours to count)
+        self._mem_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         ops = get_kernel_ops(device, "torch" if config.attention_backend == "torch" else "auto")
-        self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format, ops=ops)
+        self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format, ops=ops,
+                                quantization=config.quantization)
         self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
         if config.fp8_kv:
             self._setup_kv_scales()
@@ -91,10 +94,11 @@ class ModelRunner:
         n = min(self.config.max_num_batched_tokens or 2048, 8192)
         self._dummy_forward(n)
         torch.cuda.synchronize(self.device)
-        peak = torch.cuda.max_memory_allocated(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._mem_before  # weights + activations
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
-        used_by_others = total - free - torch.cuda.memory_reserved(self.device)
-        budget = int(total * self.config.gpu_memory_utilization) - peak - max(0, used_by_others)
+        # this engine may use gpu_memory_utilization of the card, and no more than is free now
+        budget = min(int(total * self.config.gpu_memory_utilization) - peak, free - (512 << 20))
         if budget <= 0:
             raise ValueError(
                 f"no memory left for the KV cache: weights + activations take {peak / 2**30:.1f} GiB of "

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from paged_backend.kernels.int4_gemm_ref import dequantize_int4_ref, int4_gemm_ref, pack_int4, unpack_int4
 
 

@@ -31,7 +31,7 @@ class LinearMethod(ABC):
     def create_weights(self, layer: nn.Module, in_features: int, out_sizes: Sequence[int], dtype: torch.dtype) -> None:
         """Registers the checkpoint-format parameters on ``layer`` (each with a ``weight_loader``)."""
 
-    def process_weights_after_loading(self, layer: nn.Module) -> None:
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
         """Converts the loaded parameters into what ``apply`` uses (default: nothing to do)."""
 
     @abstractmethod

@@ -20,7 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_backend.quantization.base import LinearMethod, QuantizationConfig, num_shards, quant_param, replace_param
+from paged_backend.quantization.base import (
+    LinearMethod,
+    QuantizationConfig,
+    num_shards,
+    quant_param,
+    replace_param,
+)
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = torch.finfo(FP8_DTYPE).max
