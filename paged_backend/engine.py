@@ -24,13 +24,13 @@ from paged_backend.errors import InvalidRequestError
 from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.model_info import ModelInfo
 from paged_backend.model_loader import resolve_dtype
-from paged_backend.model_runner import ModelRunner
 from paged_backend.outputs import CompletionOutput, LogprobsDict, RequestOutput, Usage
 from paged_backend.request import Request, RequestStatus
 from paged_backend.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.scheduler import Scheduler
 from paged_backend.stats import EngineStats
+from paged_backend.tp_executor import create_model_runner
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,7 @@ class LLMEngine:
             self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
         self.eos_token_ids = tuple(self.info.eos_token_ids)
 
-        self.runner = ModelRunner(config, model_dir, self.info, self.device, self.dtype)
+        self.runner = create_model_runner(config, model_dir, self.info, self.device, self.dtype)
         num_blocks = self.runner.determine_num_blocks()
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
@@ -257,9 +257,13 @@ class LLMEngine:
         for rid, (start, logits) in out.prompt_logits.items():
             group, sample = self.samples[rid]
             prompt = sample.request.prompt_token_ids
-            targets = prompt[start + 1 : start + 1 + logits.shape[0]]
-            group.prompt_logprobs.extend(
-                compute_prompt_logprobs(logits, targets, group.prep.params.prompt_logprobs))
+            # entries exist for positions 0 .. have-1; a recompute after preemption repeats some
+            have = len(group.prompt_logprobs)
+            skip = max(0, have - (start + 1))
+            if skip < logits.shape[0]:
+                targets = prompt[start + 1 + skip : start + 1 + logits.shape[0]]
+                group.prompt_logprobs.extend(
+                    compute_prompt_logprobs(logits[skip:], targets, group.prep.params.prompt_logprobs))
 
         rows: list[int] = []
         row_samples: list[tuple[_Group, _Sample]] = []
@@ -389,6 +393,12 @@ class LLMEngine:
             "kv_capacity_tokens": self.kv_capacity_tokens,
             "eos_token_ids": list(self.eos_token_ids),
         }
+
+    def shutdown(self) -> None:
+        """Releases the model runner's processes (tensor-parallel workers); idempotent."""
+        close = getattr(self.runner, "shutdown", None)
+        if close is not None:
+            close()
 
     def reset_prefix_cache(self) -> bool:
         return self.kv.block_pool.reset_prefix_cache() if hasattr(self.kv, "block_pool") else False

@@ -219,3 +219,20 @@ def test_chat_and_generate_on_the_default_model(llm):
     assert "Paris" in out.outputs[0].text
     info = llm.engine.model_info()
     assert info["vocab_size"] == 49152 and info["max_model_len"] == 8192
+
+
+def test_prompt_logprobs_survive_preemption(llm):
+    want = llm.generate([PROMPTS[4]], SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=1),
+                        use_tqdm=False)[0].prompt_logprobs
+    small = make_llm(num_gpu_blocks_override=14)
+    # 13 usable blocks: all three fit at first (2 shared + 1 + 1, and 8), then the short ones
+    # grow into new blocks and the latest arrival, the prompt_logprobs one, is preempted
+    params = [SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)] * 2 + [
+        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, prompt_logprobs=1)]
+    outs = small.generate([PROMPTS[5], PROMPTS[6], PROMPTS[4]], params, use_tqdm=False)
+    assert small.engine.stats.num_preemptions_total > 0
+    got = outs[-1].prompt_logprobs
+    assert len(got) == len(want) == len(prompt_ids(PROMPTS[4]))
+    for g, w in zip(got[1:], want[1:], strict=True):
+        assert g.keys() == w.keys() and all(abs(g[k] - w[k]) < 1e-4 for k in g)
+    assert_no_leak(small.engine)
