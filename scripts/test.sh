@@ -5,7 +5,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 .venv/bin/ruff check paged_backend kernels adapters bentos tests
 set +e
-.venv/bin/pytest -q "$@"
+.venv/bin/pytest -q --durations=30 "$@"
 rc=$?
 set -e
 if [ "$rc" -eq 5 ]; then
