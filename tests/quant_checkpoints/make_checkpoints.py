@@ -134,9 +134,39 @@ def make_awq(base: Path, out: Path, group_size: int) -> None:
     model.save_quantized(str(out))
     tokenizer.save_pretrained(out)
     del model
-    qmodel = AutoAWQForCausalLM.from_quantized(str(out), device_map="cpu", fuse_layers=False)
-    qmodel.model.float()  # WQLinear_GEMM's CPU path (dequantize + matmul) then runs in fp32
-    save_reference(qmodel.model, tokenizer, out, f"autoawq {_version('autoawq')} WQLinear_GEMM fp32")
+    write_awq_reference(out)
+
+
+def write_awq_reference(out: Path) -> None:
+    """AutoAWQ's own dequantization (``dequantize_gemm`` of each loaded WQLinear_GEMM) in a float32 model.
+
+    WQLinear_GEMM's CPU forward casts activations to fp16, too coarse a reference for a float32
+    engine, so each layer is replaced by a dense float32 Linear holding AutoAWQ's own
+    dequantized weight. from_quantized insists on intel_extension_for_pytorch on a CPU unless
+    the device probe says otherwise, so the probe is overridden (the modules are the same).
+    """
+    import awq.models.base as awq_base
+    from awq import AutoAWQForCausalLM
+    from awq.utils.packing_utils import dequantize_gemm
+    from transformers import AutoTokenizer
+
+    awq_base.get_best_device = lambda: "cpu-torch-path"
+    qmodel = AutoAWQForCausalLM.from_quantized(str(out), device_map={"": "cpu"}, fuse_layers=False)
+    model = qmodel.model
+    replaced = 0
+    for name, module in list(model.named_modules()):
+        if type(module).__name__ != "WQLinear_GEMM":
+            continue
+        w = dequantize_gemm(module.qweight, module.qzeros, module.scales.float(), module.w_bit, module.group_size)
+        dense = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None)
+        dense.weight.data = w.t().contiguous().float()
+        parent, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent), child, dense)
+        replaced += 1
+    assert replaced == 2 * 7, replaced
+    model.float()
+    save_reference(model, AutoTokenizer.from_pretrained(out), out,
+                   f"autoawq {_version('autoawq')} dequantize_gemm -> transformers fp32")
 
 
 def make_ct(base: Path, out: Path, scheme: str) -> None:
@@ -157,8 +187,17 @@ def make_ct(base: Path, out: Path, scheme: str) -> None:
     model.save_pretrained(out, save_compressed=True)
     tokenizer.save_pretrained(out)
     del model
-    qmodel = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float16).eval()
-    save_reference(qmodel, tokenizer, out, f"llmcompressor {_version('llmcompressor')} + transformers")
+    write_ct_reference(out)
+
+
+def write_ct_reference(out: Path) -> None:
+    """transformers loading the compressed-tensors checkpoint (its decompression), run in float32."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    qmodel = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    print(out.name, type(qmodel.model.layers[0].self_attn.q_proj), getattr(qmodel.model.layers[0].self_attn.q_proj, "quantization_scheme", None))
+    save_reference(qmodel, AutoTokenizer.from_pretrained(out), out,
+                   f"llmcompressor {_version('llmcompressor')} + transformers {_version('transformers')} fp32")
 
 
 def _version(pkg: str) -> str:
@@ -175,7 +214,7 @@ def _fresh(path: Path) -> Path:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("step", choices=["base", "gptq", "gptq-ref", "awq", "ct"])
+    ap.add_argument("step", choices=["base", "gptq", "gptq-ref", "awq", "awq-ref", "ct", "ct-ref"])
     ap.add_argument("--out", type=Path, default=HERE)
     args = ap.parse_args()
     base = args.out / "base"
@@ -189,6 +228,11 @@ def main() -> None:
     elif args.step == "gptq-ref":  # references only, for existing checkpoints
         for name in ("gptq-g32", "gptq-g64-act-order"):
             write_gptq_reference(args.out / name)
+    elif args.step == "awq-ref":
+        write_awq_reference(args.out / "awq-g64")
+    elif args.step == "ct-ref":
+        for name in ("ct-w4a16-g128", "ct-fp8-dynamic"):
+            write_ct_reference(args.out / name)
     elif args.step == "awq":
         make_awq(base, _fresh(args.out / "awq-g64"), group_size=64)
     else:
