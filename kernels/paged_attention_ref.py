@@ -16,15 +16,18 @@ import torch
 import torch.nn.functional as F
 
 
-def _gather(cache: torch.Tensor, block_ids: torch.Tensor, length: int, scale: torch.Tensor | None) -> torch.Tensor:
-    """cache [NB, BS, Hkv, D], block_ids [..., nblk] -> [..., length, Hkv, D] float32."""
-    bs = cache.shape[1]
-    x = cache[block_ids.long()]  # [..., nblk, BS, Hkv, D]
-    x = x.reshape(*block_ids.shape[:-1], block_ids.shape[-1] * bs, cache.shape[2], cache.shape[3])
-    x = x[..., :length, :, :].float()
+def _gather(cache: torch.Tensor, slots: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """cache [NB, BS, Hkv, D], slots int64 [..., L] -> [..., L, Hkv, D] float32 (dequantized)."""
+    flat = cache.view(-1, cache.shape[2], cache.shape[3])
+    x = flat.index_select(0, slots.reshape(-1)).view(*slots.shape, cache.shape[2], cache.shape[3]).float()
     if scale is not None:
         x = x * scale.float()
     return x
+
+
+def _slots(block_row: torch.Tensor, positions: torch.Tensor, bs: int) -> torch.Tensor:
+    """Cache slot of each position: block_row[pos // bs] * bs + pos % bs (int64)."""
+    return block_row.long().gather(-1, positions // bs) * bs + positions % bs
 
 
 def _attend(
@@ -79,16 +82,14 @@ def paged_attention_ref(
     if decode:
         idx = torch.tensor(decode, device=query.device)
         max_len = max(lens[i] for i in decode)
-        nblk = (max_len + bs - 1) // bs
-        bt = block_tables[idx, :nblk]
-        k = _gather(kv_cache[0], bt, max_len, ks)
-        v = _gather(kv_cache[1], bt, max_len, vs)
         sl = seq_lens[idx].long()
         pos = torch.arange(max_len, device=query.device)
         mask = pos[None, :] < sl[:, None]
-        # slots past a row's length (padding, the null block, stale data) may hold NaN: 0 * NaN = NaN
-        k = k.masked_fill(~mask[:, :, None, None], 0.0)
-        v = v.masked_fill(~mask[:, :, None, None], 0.0)
+        # padding positions read the row's last written slot (finite, then masked out), never
+        # slots past its length, which may hold stale data or NaN (0 * NaN would be NaN)
+        slots = _slots(block_tables[idx], torch.minimum(pos[None, :], sl[:, None] - 1), bs)
+        k = _gather(kv_cache[0], slots, ks)
+        v = _gather(kv_cache[1], slots, vs)
         if sliding_window is not None:
             mask &= pos[None, :] > (sl[:, None] - 1 - sliding_window)
         rows = torch.tensor([qsl[i] for i in decode], device=query.device)
@@ -100,10 +101,9 @@ def paged_attention_ref(
             continue
         length = lens[i]
         ctx = length - ql
-        nblk = (length + bs - 1) // bs
-        bt = block_tables[i, :nblk]
-        k = _gather(kv_cache[0], bt, length, ks)[None]
-        v = _gather(kv_cache[1], bt, length, vs)[None]
+        slots = _slots(block_tables[i], torch.arange(length, device=query.device), bs)
+        k = _gather(kv_cache[0], slots, ks)[None]
+        v = _gather(kv_cache[1], slots, vs)[None]
         q = query[qsl[i] : qsl[i + 1]].float()[None]
         mask = None
         if ctx > 0 or sliding_window is not None:

@@ -115,6 +115,7 @@ class AsyncEngine:
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout)
+        self.engine.shutdown()  # tensor-parallel workers
 
     # -- the loop thread ---------------------------------------------------------------
 

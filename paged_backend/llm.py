@@ -29,6 +29,10 @@ class LLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    def shutdown(self) -> None:
+        """Stops the engine's worker processes (tensor parallelism); idempotent, also run at exit."""
+        self.engine.shutdown()
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

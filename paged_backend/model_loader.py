@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -22,7 +23,11 @@ from paged_backend.model_info import ModelInfo
 from paged_backend.models import ModelOps, get_model_class
 from paged_backend.models.layers import FusedLinear
 from paged_backend.models.llama import LlamaForCausalLM
+from paged_backend.models.parallel import LazyTensor
 from paged_backend.quantization import QuantizationConfig, get_quantization_config
+
+if TYPE_CHECKING:
+    from paged_backend.distributed import TPGroup
 
 INDEX_FILE = "model.safetensors.index.json"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -78,7 +83,7 @@ class _Cursor:
         self.names: set[str] = set()
 
 
-def iter_safetensors(files: list[Path], cursor: _Cursor) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_safetensors(files: list[Path], cursor: _Cursor, lazy: bool = False) -> Iterator[tuple[str, torch.Tensor]]:
     """Yields (name, tensor) one at a time from mmap'ed files, as stored (the loader casts)."""
     for f in files:
         cursor.file = f
@@ -86,7 +91,8 @@ def iter_safetensors(files: list[Path], cursor: _Cursor) -> Iterator[tuple[str, 
             with safe_open(f, framework="pt", device="cpu") as fh:
                 for name in fh.keys():
                     cursor.names.add(name)
-                    yield name, fh.get_tensor(name)
+                    # lazy (tensor parallel): each weight loader reads only its rank's slice
+                    yield name, LazyTensor(fh.get_slice(name)) if lazy else fh.get_tensor(name)
         except SafetensorError as e:
             raise ValueError(f"{f}: cannot read safetensors file ({e})") from None
 
@@ -95,7 +101,7 @@ def load_safetensors_weights(model: LlamaForCausalLM, model_dir: Path, files: li
     """Streams every tensor into the model and checks that each parameter got loaded."""
     cursor = _Cursor()
     try:
-        loaded = model.load_weights(iter_safetensors(files, cursor))
+        loaded = model.load_weights(iter_safetensors(files, cursor, lazy=getattr(model, "tp", None) is not None))
     except ValueError as e:
         raise ValueError(f"{e} (in {cursor.file})") from None
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
@@ -152,6 +158,7 @@ def load_model(
     load_format: str = "auto",
     ops: ModelOps | None = None,
     quantization: str | None = None,
+    tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """Builds the model for ``info.architecture`` on ``device`` with weights from ``model_dir``.
 
@@ -167,7 +174,7 @@ def load_model(
     files = [] if load_format == "dummy" else find_safetensors(model_dir)
     cls = get_model_class(info.architecture)
     with torch.device("meta"):
-        model = cls(info, attn_backend, dtype, ops)
+        model = cls(info, attn_backend, dtype, ops, tp=tp)
         if quant_config is not None:
             set_linear_methods(model, quant_config)
     materialize(model, device)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,7 +23,11 @@ from paged_backend.kernels.cache_write_ref import FP8_DTYPE
 from paged_backend.kernels_ops import get_kernel_ops
 from paged_backend.model_info import ModelInfo
 from paged_backend.model_loader import load_model
+from paged_backend.models.parallel import local_heads
 from paged_backend.scheduler import SchedulerOutput
+
+if TYPE_CHECKING:
+    from paged_backend.distributed import TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +43,11 @@ class ModelOutput:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir, info: ModelInfo, device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: EngineConfig, model_dir, info: ModelInfo, device: torch.device, dtype: torch.dtype,
+                 tp: TPGroup | None = None):
         self.config = config
+        self.tp = tp  # tensor parallelism: this rank's group (None: the whole model here)
+        self.num_kv_heads = local_heads(info, tp)[1]  # KV heads whose cache this rank holds
         self.info = info
         self.device = device
         self.dtype = dtype
@@ -49,7 +57,7 @@ class ModelRunner:
         self._mem_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         ops = get_kernel_ops(device, "torch" if config.attention_backend == "torch" else "auto")
         self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format, ops=ops,
-                                quantization=config.quantization)
+                                quantization=config.quantization, tp=tp)
         self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
         if config.fp8_kv:
             self._setup_kv_scales()
@@ -72,7 +80,7 @@ class ModelRunner:
     def bytes_per_block(self) -> int:
         elem = torch.empty((), dtype=self.kv_dtype).element_size()
         i = self.info
-        return 2 * self.block_size * i.num_kv_heads * i.head_dim * elem * i.num_layers
+        return 2 * self.block_size * self.num_kv_heads * i.head_dim * elem * i.num_layers
 
     def determine_num_blocks(self) -> int:
         """From the memory budget: explicit bytes, the GPU's free memory, or a share of RAM."""
@@ -110,7 +118,7 @@ class ModelRunner:
         """One prefill of num_tokens into a throwaway cache, to measure the activation peak."""
         bs, dev = self.block_size, self.device
         nblk = -(-num_tokens // bs)
-        caches = [torch.zeros((2, nblk + 1, bs, self.info.num_kv_heads, self.info.head_dim),
+        caches = [torch.zeros((2, nblk + 1, bs, self.num_kv_heads, self.info.head_dim),
                               dtype=self.kv_dtype, device=dev) for _ in range(self.info.num_layers)]
         pos = torch.arange(num_tokens, device=dev)
         meta = AttentionMetadata(
@@ -133,7 +141,7 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self.num_blocks = num_blocks
-        shape = (2, num_blocks, self.block_size, self.info.num_kv_heads, self.info.head_dim)
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.info.num_layers)]
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -20,13 +21,23 @@ from torch import nn
 from paged_backend.attention.backend import AttentionBackend, AttentionMetadata
 from paged_backend.model_info import ModelInfo
 from paged_backend.models.layers import (
-    Embedding,
-    FusedLinear,
     ModelOps,
     RMSNorm,
     RotaryEmbedding,
     reference_ops,
 )
+from paged_backend.models.parallel import (
+    down_proj,
+    embed_tokens,
+    gate_up_proj,
+    lm_head,
+    local_heads,
+    o_proj,
+    qkv_proj,
+)
+
+if TYPE_CHECKING:
+    from paged_backend.distributed import TPGroup
 
 # (fused parameter, HF checkpoint name, shard id)
 STACKED_PARAMS = (
@@ -53,14 +64,16 @@ class LlamaAttention(nn.Module):
         attn_backend: AttentionBackend,
         dtype: torch.dtype,
         ops: ModelOps,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = info.num_heads, info.num_kv_heads, info.head_dim
+        self.head_dim = info.head_dim
+        self.num_heads, self.num_kv_heads = local_heads(info, tp)  # this rank's heads (all without TP)
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.sizes = (q_size, kv_size, kv_size)
-        self.qkv_proj = FusedLinear(info.hidden_size, self.sizes, info.attention_bias, dtype, ("q", "k", "v"))
-        self.o_proj = FusedLinear(q_size, (info.hidden_size,), info.o_proj_bias, dtype)
+        self.qkv_proj = qkv_proj(info, dtype, tp)  # column-parallel under TP
+        self.o_proj = o_proj(info, dtype, tp)  # row-parallel under TP (all-reduce)
         self.q_norm = RMSNorm(self.head_dim, info.rms_norm_eps, dtype, ops) if info.qk_norm else None
         self.k_norm = RMSNorm(self.head_dim, info.rms_norm_eps, dtype, ops) if info.qk_norm else None
         self.rotary_emb = rotary_emb  # shared by all layers
@@ -103,11 +116,10 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, info: ModelInfo, dtype: torch.dtype, ops: ModelOps) -> None:
+    def __init__(self, info: ModelInfo, dtype: torch.dtype, ops: ModelOps, tp: TPGroup | None = None) -> None:
         super().__init__()
-        i = info.intermediate_size
-        self.gate_up_proj = FusedLinear(info.hidden_size, (i, i), info.mlp_bias, dtype, (0, 1))
-        self.down_proj = FusedLinear(i, (info.hidden_size,), info.mlp_bias, dtype)
+        self.gate_up_proj = gate_up_proj(info, dtype, tp)
+        self.down_proj = down_proj(info, dtype, tp)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -123,10 +135,11 @@ class LlamaDecoderLayer(nn.Module):
         attn_backend: AttentionBackend,
         dtype: torch.dtype,
         ops: ModelOps,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(info, layer_idx, rotary_emb, attn_backend, dtype, ops)
-        self.mlp = LlamaMLP(info, dtype, ops)
+        self.self_attn = LlamaAttention(info, layer_idx, rotary_emb, attn_backend, dtype, ops, tp)
+        self.mlp = LlamaMLP(info, dtype, ops, tp)
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
 
@@ -150,14 +163,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, info: ModelInfo, attn_backend: AttentionBackend, dtype: torch.dtype, ops: ModelOps) -> None:
+    def __init__(self, info: ModelInfo, attn_backend: AttentionBackend, dtype: torch.dtype, ops: ModelOps,
+                 tp: TPGroup | None = None) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(
             info.head_dim, info.max_position_embeddings, info.rope_theta, info.rope_scaling, ops
         )
-        self.embed_tokens = Embedding(info.vocab_size, info.hidden_size, dtype)
+        self.embed_tokens = embed_tokens(info, dtype, tp)  # vocab-parallel under TP
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(info, i, self.rotary_emb, attn_backend, dtype, ops) for i in range(info.num_layers)
+            LlamaDecoderLayer(info, i, self.rotary_emb, attn_backend, dtype, ops, tp) for i in range(info.num_layers)
         )
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
 
@@ -184,13 +198,15 @@ class LlamaForCausalLM(nn.Module):
         attn_backend: AttentionBackend,
         dtype: torch.dtype,
         ops: ModelOps | None = None,
+        tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
         self.info = info
+        self.tp = tp  # tensor parallelism: this rank's group (None: the whole model)
         self.dtype = dtype
         self.ops = ops or reference_ops()
-        self.model = LlamaModel(info, attn_backend, dtype, self.ops)
-        self.lm_head = FusedLinear(info.hidden_size, (info.vocab_size,), False, dtype)
+        self.model = LlamaModel(info, attn_backend, dtype, self.ops, tp)
+        self.lm_head = lm_head(info, dtype, tp)  # under TP: logits gathered to rank 0
         if info.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
