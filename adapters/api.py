@@ -25,7 +25,7 @@ import pydantic
 
 from paged_backend.config import EngineConfig
 from paged_backend.errors import EngineDeadError, InvalidRequestError
-from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.outputs import RequestOutput, merge_delta
 from paged_backend.sampling_params import SamplingParams
 
 from .metrics import MetricsSink, PrometheusMetrics, RequestTimer
@@ -350,25 +350,3 @@ class EngineAdapter:
     def metrics_text(self) -> str:
         """Prometheus exposition of the engine metrics (vLLM names); empty without prometheus."""
         return self.prometheus.render() if self.prometheus is not None else ""
-
-
-def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold one delta into the accumulated output of its request (texts, ids, logprobs appended)."""
-    if acc is None:
-        acc = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.usage,
-                            delta.prompt_logprobs)
-    by_index = {c.index: c for c in acc.outputs}
-    for c in delta.outputs:
-        cur = by_index.setdefault(c.index, CompletionOutput(index=c.index,
-                                                             logprobs=[] if c.logprobs is not None else None))
-        cur.text += c.text
-        cur.token_ids = cur.token_ids + list(c.token_ids)
-        if c.logprobs is not None:
-            cur.logprobs = (cur.logprobs or []) + list(c.logprobs)
-        cur.finish_reason, cur.stop_reason = c.finish_reason, c.stop_reason
-        cur.cumulative_logprob, cur.num_output_tokens = c.cumulative_logprob, c.num_output_tokens
-    acc.outputs = [by_index[i] for i in sorted(by_index)]
-    acc.finished, acc.usage = delta.finished, delta.usage
-    if delta.prompt_logprobs is not None:
-        acc.prompt_logprobs = delta.prompt_logprobs
-    return acc

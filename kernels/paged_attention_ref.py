@@ -36,15 +36,19 @@ def _attend(
     v: torch.Tensor,  # [B, L, Hkv, D] float32
     mask: torch.Tensor | None,  # [B, Q, L] bool, True = attend; None = plain causal (Q == L)
     scale: float,
+    decode: bool = False,
 ) -> torch.Tensor:  # [B, Q, H, D] float32
-    """Exact softmax attention through torch's SDPA (GQA without copying K/V)."""
+    """Exact softmax attention through torch's SDPA (GQA without copying K/V).
+
+    ``decode``: one query per row attending to all of its L keys (mask only pads rows)."""
     b, nq, h, d = q.shape
     hkv = k.shape[2]
     kt, vt = k.transpose(1, 2), v.transpose(1, 2)  # [B, Hkv, L, D]
-    if nq == 1 and mask is not None:
-        # decode: the G query heads of a KV head are rows of one [G, D] query
+    if decode:
+        # the G query heads of a KV head are rows of one [G, D] query
         qg = q.view(b, hkv, h // hkv, d)
-        o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=mask[:, None], scale=scale)
+        o = F.scaled_dot_product_attention(qg, kt, vt, attn_mask=None if mask is None else mask[:, None],
+                                           scale=scale)
         return o.reshape(b, 1, h, d)
     qt = q.transpose(1, 2)
     gqa = {"enable_gqa": True} if hkv != h else {}
@@ -94,7 +98,9 @@ def paged_attention_ref(
             mask &= pos[None, :] > (sl[:, None] - 1 - sliding_window)
         rows = torch.tensor([qsl[i] for i in decode], device=query.device)
         q = query[rows].float().unsqueeze(1)
-        out[rows] = _attend(q, k, v, mask[:, None, :], scale)[:, 0]
+        equal = sliding_window is None and all(lens[i] == max_len for i in decode)
+        # rows of one length need no mask: SDPA can then take its fused kernel
+        out[rows] = _attend(q, k, v, None if equal else mask[:, None, :], scale, decode=True)[:, 0]
 
     for i, ql in enumerate(qlens):
         if ql <= 1:

@@ -45,6 +45,11 @@ class TPGroup:
         dist.all_reduce(x, group=self.device_group)
         return x
 
+    def all_reduce_max(self, x: torch.Tensor) -> torch.Tensor:
+        """Elementwise max of ``x`` over the ranks, in place; returns it."""
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=self.device_group)
+        return x
+
     def gather_to_first(self, x: torch.Tensor, dim: int = -1) -> torch.Tensor | None:
         """Rank 0: the ranks' ``x`` concatenated along ``dim`` (rank order); others: None."""
         x = x.contiguous()

@@ -11,7 +11,7 @@ from tqdm.auto import tqdm
 from paged_backend.beam_search import BeamSearchRunner
 from paged_backend.config import EngineConfig
 from paged_backend.engine import LLMEngine
-from paged_backend.outputs import CompletionOutput, RequestOutput
+from paged_backend.outputs import RequestOutput, merge_delta
 from paged_backend.sampling_params import SamplingParams
 
 Prompt = str | list[int]
@@ -88,35 +88,12 @@ class LLM:
             for delta in self.engine.step():
                 if delta.request_id not in ids:
                     continue
-                merged[delta.request_id] = _merge(merged.get(delta.request_id), delta)
+                merged[delta.request_id] = merge_delta(merged.get(delta.request_id), delta)
                 if delta.finished:
                     done += 1
                     bar.update(1)
         bar.close()
         return {ids[rid]: out for rid, out in merged.items()}
-
-
-def _merge(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold a delta into the accumulated output (texts, token ids and logprobs appended)."""
-    if acc is None:
-        acc = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.usage,
-                            delta.prompt_logprobs)
-    by_index = {c.index: c for c in acc.outputs}
-    for c in delta.outputs:
-        cur = by_index.get(c.index)
-        if cur is None:
-            cur = by_index[c.index] = CompletionOutput(index=c.index, logprobs=[] if c.logprobs is not None else None)
-        cur.text += c.text
-        cur.token_ids = cur.token_ids + c.token_ids
-        if c.logprobs is not None:
-            cur.logprobs = (cur.logprobs or []) + c.logprobs
-        cur.finish_reason, cur.stop_reason = c.finish_reason, c.stop_reason
-        cur.cumulative_logprob, cur.num_output_tokens = c.cumulative_logprob, c.num_output_tokens
-    acc.outputs = [by_index[i] for i in sorted(by_index)]
-    acc.finished, acc.usage = delta.finished, delta.usage
-    if delta.prompt_logprobs is not None:
-        acc.prompt_logprobs = delta.prompt_logprobs
-    return acc
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

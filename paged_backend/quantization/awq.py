@@ -17,7 +17,12 @@ import torch
 from torch import nn
 
 from paged_backend.quantization.base import QuantizationConfig, quant_param, replace_param
-from paged_backend.quantization.int4 import Int4LinearMethod, check_int4_config, groups_of, unpack_int32_cols
+from paged_backend.quantization.int4 import (
+    Int4LinearMethod,
+    check_int4_config,
+    local_groups,
+    unpack_int32_cols,
+)
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -46,14 +51,17 @@ class AWQConfig(QuantizationConfig):
 
 
 class AWQLinearMethod(Int4LinearMethod):
+    supports_tensor_parallel = True
+
     def create_weights(self, layer: nn.Module, in_features: int, out_sizes: Sequence[int], dtype: torch.dtype) -> None:
         k, n = in_features, sum(out_sizes)
         if k % 8 or any(s % 8 for s in out_sizes):
             raise ValueError(f"{self.prefix}: awq needs in/out features divisible by 8, got {k} x {tuple(out_sizes)}")
-        g = groups_of(k, self.group_size, self.prefix)
-        quant_param(layer, "qweight", (k, n // 8), torch.int32, out_dim=1, pack=8)
-        quant_param(layer, "qzeros", (g, n // 8), torch.int32, out_dim=1, pack=8)
-        quant_param(layer, "scales", (g, n), torch.float32, out_dim=1)
+        g = local_groups(layer, k, self.group_size, self.prefix)
+        g_dim = None if self.group_size == -1 else 0
+        quant_param(layer, "qweight", (k, n // 8), torch.int32, out_dim=1, pack=8, in_dim=0)
+        quant_param(layer, "qzeros", (g, n // 8), torch.int32, out_dim=1, pack=8, in_dim=g_dim, in_pack=self.group_size)
+        quant_param(layer, "scales", (g, n), torch.float32, out_dim=1, in_dim=g_dim, in_pack=self.group_size)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_int32_cols(layer.qweight.data, AWQ_ORDER)

@@ -23,6 +23,8 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from paged_backend.models.parallel import shard_for_rank
+
 
 class LinearMethod(ABC):
     """How one linear layer holds, loads and applies its weights."""
@@ -62,10 +64,20 @@ def quant_param(
     dtype: torch.dtype,
     out_dim: int | None,
     pack: int = 1,
+    *,
+    in_dim: int | None = None,
+    in_pack: int = 1,
 ) -> nn.Parameter:
     """Registers a parameter whose fused shards stack along ``out_dim``; each element there holds
-    ``pack`` output features (e.g. 8 int4 zeros per int32). ``out_dim=None``: one row per shard."""
-    loader = _per_shard_loader(layer) if out_dim is None else _stacked_loader(layer, out_dim, pack)
+    ``pack`` output features (e.g. 8 int4 zeros per int32). ``out_dim=None``: one row per shard.
+
+    Under tensor parallelism each rank reads its slice (``shard_for_rank``): along ``out_dim`` on
+    column-parallel layers, along ``in_dim`` (``in_pack`` input features per element; None: the
+    tensor does not run along the input) on row-parallel ones."""
+    if out_dim is None:
+        loader = _per_shard_loader(layer, in_dim, in_pack)
+    else:
+        loader = _stacked_loader(layer, out_dim, pack, in_dim, in_pack)
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     param.weight_loader = loader
     param.shard_ids = layer.shard_ids
@@ -78,33 +90,43 @@ def _check(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
         raise ValueError(f"shape mismatch: checkpoint has {tuple(src.shape)}, {what} expects {tuple(dst.shape)}")
 
 
-def _check_shard(layer: nn.Module, shard_id) -> None:
+def check_shard(layer: nn.Module, shard_id) -> None:
     if shard_id is None and layer.shard_ids:
         raise ValueError(f"fused parameter needs a shard id (one of {layer.shard_ids})")
     if shard_id is not None and shard_id not in layer.shard_ids:
         raise ValueError(f"unknown shard {shard_id!r} (expected one of {layer.shard_ids})")
 
 
-def _stacked_loader(layer: nn.Module, out_dim: int, pack: int):
-    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _check_shard(layer, shard_id)
-        if shard_id is None:
-            _check(param.data, loaded, "parameter")
-            param.data.copy_(loaded)
-            return
-        offset, size = layer.shard_range(shard_id)
-        if offset % pack or size % pack:
-            raise ValueError(f"shard {shard_id!r} of {size} outputs is not a multiple of the packing ({pack})")
-        dst = param.data.narrow(out_dim, offset // pack, size // pack)
-        _check(dst, loaded, f"shard {shard_id!r}")
-        dst.copy_(loaded)
+def copy_stacked(layer: nn.Module, param: nn.Parameter, loaded: torch.Tensor, shard_id, out_dim: int,
+                 pack: int = 1) -> None:
+    """Copies this rank's (already sliced) ``loaded`` into its shard's place along ``out_dim``."""
+    check_shard(layer, shard_id)
+    if shard_id is None:
+        _check(param.data, loaded, "parameter")
+        param.data.copy_(loaded)
+        return
+    offset, size = layer.shard_range(shard_id)
+    if offset % pack or size % pack:
+        raise ValueError(f"shard {shard_id!r} of {size} outputs is not a multiple of the packing ({pack})")
+    dst = param.data.narrow(out_dim, offset // pack, size // pack)
+    _check(dst, loaded, f"shard {shard_id!r}")
+    dst.copy_(loaded)
+
+
+def _stacked_loader(layer: nn.Module, out_dim: int, pack: int, in_dim: int | None, in_pack: int):
+    def load(param: nn.Parameter, loaded, shard_id=None) -> None:
+        check_shard(layer, shard_id)
+        loaded = shard_for_rank(layer, loaded, shard_id, out_dim=out_dim, in_dim=in_dim, out_pack=pack,
+                                in_pack=in_pack)
+        copy_stacked(layer, param, loaded, shard_id, out_dim, pack)
 
     return load
 
 
-def _per_shard_loader(layer: nn.Module):
-    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        _check_shard(layer, shard_id)
+def _per_shard_loader(layer: nn.Module, in_dim: int | None, in_pack: int):
+    def load(param: nn.Parameter, loaded, shard_id=None) -> None:
+        check_shard(layer, shard_id)
+        loaded = shard_for_rank(layer, loaded, shard_id, in_dim=in_dim, in_pack=in_pack)
         dst = param.data[layer.shard_ids.index(shard_id) if shard_id is not None else 0]
         _check(dst, loaded.reshape(dst.shape) if loaded.numel() == dst.numel() == 1 else loaded, "parameter")
         dst.copy_(loaded.reshape(dst.shape))
@@ -114,6 +136,18 @@ def _per_shard_loader(layer: nn.Module):
 
 def num_shards(layer: nn.Module) -> int:
     return max(1, len(layer.shard_ids))
+
+
+def tp_world_size(layer: nn.Module) -> int:
+    """Ranks the layer is split over (1 without tensor parallelism)."""
+    tp = getattr(layer, "tp", None)
+    return 1 if tp is None else tp.world_size
+
+
+def is_row_parallel(layer: nn.Module) -> bool:
+    """Row-parallel layers hold a slice of the input features; their bias is added after the all-reduce."""
+    spec = getattr(layer, "tp_spec", None)
+    return spec is not None and spec.kind == "row"
 
 
 def replace_param(layer: nn.Module, name: str, value: torch.Tensor | None) -> None:

@@ -27,12 +27,20 @@ import torch
 from torch import nn
 
 from paged_backend.kernels.int4_gemm_ref import unpack_int4
-from paged_backend.quantization.base import QuantizationConfig, num_shards, quant_param, replace_param
+from paged_backend.quantization.base import (
+    QuantizationConfig,
+    is_row_parallel,
+    num_shards,
+    quant_param,
+    replace_param,
+    tp_world_size,
+)
 from paged_backend.quantization.fp8 import Fp8LinearMethod
 from paged_backend.quantization.int4 import (
     Int4LinearMethod,
     check_int4_config,
-    groups_of,
+    group_offset,
+    local_groups,
     shared_g_idx,
     unpack_int32_cols,
 )
@@ -140,6 +148,8 @@ def _act_scheme(where: str, act: dict[str, Any] | None) -> str:
 class PackedInt4LinearMethod(Int4LinearMethod):
     """compressed-tensors W4A16 ``pack-quantized``, repacked into the shared int4 kernel layout."""
 
+    supports_tensor_parallel = True
+
     def __init__(self, group_size: int, symmetric: bool, has_g_idx: bool, prefix: str) -> None:
         super().__init__(group_size, prefix)
         self.symmetric = symmetric
@@ -149,21 +159,33 @@ class PackedInt4LinearMethod(Int4LinearMethod):
         k, n, s = in_features, sum(out_sizes), num_shards(layer)
         if k % 8 or (not self.symmetric and any(o % 8 for o in out_sizes)):
             raise ValueError(f"{self.prefix}: pack-quantized needs features divisible by 8, got {k} x {tuple(out_sizes)}")
-        g = groups_of(k, self.group_size, self.prefix)
+        g = local_groups(layer, k, self.group_size, self.prefix)
+        self.all_groups = self.has_g_idx and is_row_parallel(layer) and self.group_size != -1
+        g_dim = None if self.group_size == -1 or self.all_groups else 1
+        g_total = g * tp_world_size(layer) if self.all_groups else g
         self.out_sizes = tuple(out_sizes)
-        quant_param(layer, "weight_packed", (n, k // 8), torch.int32, out_dim=0)
-        quant_param(layer, "weight_scale", (n, g), torch.float32, out_dim=0)
+        self.in_total = k * tp_world_size(layer) if is_row_parallel(layer) else k
+        quant_param(layer, "weight_packed", (n, k // 8), torch.int32, out_dim=0, in_dim=1, in_pack=8)
+        quant_param(layer, "weight_scale", (n, g_total), torch.float32, out_dim=0, in_dim=g_dim, in_pack=self.group_size)
         quant_param(layer, "weight_shape", (s, 2), torch.int64, out_dim=None)
         if not self.symmetric:
-            quant_param(layer, "weight_zero_point", (n // 8, g), torch.int32, out_dim=0, pack=8)
+            quant_param(layer, "weight_zero_point", (n // 8, g_total), torch.int32, out_dim=0, pack=8, in_dim=g_dim,
+                        in_pack=self.group_size)
         if self.has_g_idx:
-            quant_param(layer, "weight_g_idx", (s, k), torch.int32, out_dim=None)
+            quant_param(layer, "weight_g_idx", (s, k), torch.int32, out_dim=None, in_dim=0)
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        k = layer.weight_packed.shape[1] * 8
-        want = torch.tensor([[o, k] for o in self.out_sizes], dtype=torch.int64)
-        if not torch.equal(layer.weight_shape.data.cpu(), want):
-            raise ValueError(f"{self.prefix}: weight_shape {layer.weight_shape.data.tolist()} != expected {want.tolist()}")
+        # the checkpoint's full (N, K); a column-parallel rank holds only part of each shard's N
+        want = [[o, self.in_total] for o in self.out_sizes]
+        got = layer.weight_shape.data.cpu().tolist()
+        spec = getattr(layer, "tp_spec", None)
+        if spec is not None and spec.kind == "column":
+            ranges = [spec.out_ranges[i] for i in (layer.shard_ids or (None,))]
+            ok = all(g[1] == w[1] and g[0] >= start + size for g, w, (start, size) in zip(got, want, ranges, strict=True))
+        else:
+            ok = got == want
+        if not ok:
+            raise ValueError(f"{self.prefix}: weight_shape {got} != expected {want}")
         q = unpack_int4(layer.weight_packed.data.t())  # [K, N]
         scales = layer.weight_scale.data.t()  # [G, N]
         if self.symmetric:
@@ -171,6 +193,11 @@ class PackedInt4LinearMethod(Int4LinearMethod):
         else:
             zeros = unpack_int32_cols(layer.weight_zero_point.data.t().contiguous())  # [G, N]
         g_idx = shared_g_idx(layer.weight_g_idx.data, self.prefix, "weight_g_idx") if self.has_g_idx else None
+        if g_idx is not None and not self.all_groups:
+            g_idx = g_idx - group_offset(layer, self.group_size)  # row-parallel: global -> this rank's groups
         for name in ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight_g_idx"):
             replace_param(layer, name, None)
-        self.finalize(layer, q, zeros, scales, g_idx)
+        if self.all_groups:
+            self.finalize_sparse_groups(layer, q, zeros, scales, g_idx)
+        else:
+            self.finalize(layer, q, zeros, scales, g_idx)

@@ -13,6 +13,7 @@ Per-tensor scales of fused shards are expanded to per-channel at load.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,9 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_backend.models.parallel import as_tensor, shard_for_rank
 from paged_backend.quantization.base import (
     LinearMethod,
     QuantizationConfig,
+    check_shard,
+    copy_stacked,
+    is_row_parallel,
     num_shards,
     quant_param,
     replace_param,
@@ -65,7 +70,12 @@ class Fp8Config(QuantizationConfig):
 
 
 class Fp8LinearMethod(LinearMethod):
-    """FP8 weights dequantized per use (CPU path; a ``torch._scaled_mm`` path is future work)."""
+    """FP8 weights dequantized per use (CPU path; a ``torch._scaled_mm`` path is future work).
+
+    Row-parallel ranks see only part of each activation row: dynamic activation scales take the
+    max over all ranks, so every rank quantizes exactly as the unsplit layer would."""
+
+    supports_tensor_parallel = True
 
     def __init__(self, act_scheme: str, prefix: str) -> None:
         if act_scheme not in ACT_SCHEMES:
@@ -75,9 +85,9 @@ class Fp8LinearMethod(LinearMethod):
 
     def create_weights(self, layer: nn.Module, in_features: int, out_sizes: Sequence[int], dtype: torch.dtype) -> None:
         n = sum(out_sizes)
-        quant_param(layer, "weight", (n, in_features), FP8_DTYPE, out_dim=0)
+        quant_param(layer, "weight", (n, in_features), FP8_DTYPE, out_dim=0, in_dim=1)
         scale = quant_param(layer, "weight_scale", (n,), torch.float32, out_dim=0)
-        scale.weight_loader = _channel_scale_loader(layer, scale.weight_loader)
+        scale.weight_loader = _channel_scale_loader(layer)
         if self.act_scheme == "static_tensor":
             quant_param(layer, "input_scale", (num_shards(layer),), torch.float32, out_dim=None)
 
@@ -90,17 +100,24 @@ class Fp8LinearMethod(LinearMethod):
         if self.act_scheme == "static_tensor":
             x = fake_quant_fp8(x, layer.input_scale)
         elif self.act_scheme == "dynamic_tensor":
-            x = fake_quant_fp8(x, x.abs().amax().float().clamp_min(1e-12) / FP8_MAX)
+            x = fake_quant_fp8(x, _global_amax(layer, x.abs().amax().float()).clamp_min(1e-12) / FP8_MAX)
         elif self.act_scheme == "dynamic_token":
-            x = fake_quant_fp8(x, x.abs().amax(-1, keepdim=True).float().clamp_min(1e-12) / FP8_MAX)
+            amax = _global_amax(layer, x.abs().amax(-1, keepdim=True).float())
+            x = fake_quant_fp8(x, amax.clamp_min(1e-12) / FP8_MAX)
         return F.linear(x, w, bias)
 
 
-def _channel_scale_loader(layer: nn.Module, stacked_loader):
+def _global_amax(layer: nn.Module, amax: torch.Tensor) -> torch.Tensor:
+    """A row-parallel rank's activation max taken over the whole (split) input row."""
+    return layer.tp.all_reduce_max(amax.contiguous()) if is_row_parallel(layer) else amax
+
+
+def _channel_scale_loader(layer: nn.Module):
     """Per-tensor scales (one element) fill their shard's rows; per-channel ones load as stacked."""
 
-    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id=None) -> None:
-        if loaded.numel() == 1:
+    def load(param: nn.Parameter, loaded, shard_id=None) -> None:
+        if math.prod(loaded.shape) == 1:
+            loaded = as_tensor(loaded)
             if shard_id is None:
                 if layer.shard_ids:
                     raise ValueError(f"fused parameter needs a shard id (one of {layer.shard_ids})")
@@ -109,8 +126,10 @@ def _channel_scale_loader(layer: nn.Module, stacked_loader):
             offset, size = layer.shard_range(shard_id)
             param.data.narrow(0, offset, size).fill_(float(loaded.reshape(())))
             return
+        check_shard(layer, shard_id)
+        loaded = shard_for_rank(layer, loaded, shard_id, out_dim=0)
         if loaded.dim() == 2 and loaded.shape[1] == 1:
             loaded = loaded[:, 0]
-        stacked_loader(param, loaded, shard_id)
+        copy_stacked(layer, param, loaded, shard_id, out_dim=0)
 
     return load

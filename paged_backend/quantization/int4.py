@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from paged_backend.kernels.int4_gemm_ref import int4_gemm_ref, pack_int4
-from paged_backend.quantization.base import LinearMethod
+from paged_backend.quantization.base import LinearMethod, is_row_parallel, tp_world_size
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 KERNELS = ("auto", "torch", "triton")
@@ -50,6 +50,22 @@ def groups_of(in_features: int, group_size: int, prefix: str) -> int:
     if in_features % group_size:
         raise ValueError(f"{prefix}: in_features={in_features} is not a multiple of group_size={group_size}")
     return in_features // group_size
+
+
+def local_groups(layer: nn.Module, in_features: int, group_size: int, prefix: str) -> int:
+    """``groups_of`` for this rank's ``in_features``; a row-parallel split that cuts a group names the layer."""
+    world = tp_world_size(layer)
+    if is_row_parallel(layer) and group_size != -1 and in_features % group_size:
+        raise ValueError(f"{prefix}: the per-rank input size {in_features} ({in_features * world} split over "
+                         f"tensor_parallel_size {world}) is not a multiple of group_size={group_size}")
+    return groups_of(in_features, group_size, prefix)
+
+
+def group_offset(layer: nn.Module, group_size: int) -> int:
+    """Index of this rank's first quantization group in the checkpoint (0 unless row-parallel)."""
+    if not is_row_parallel(layer) or group_size == -1:
+        return 0
+    return layer.tp_spec.in_range[0] // group_size
 
 
 def act_order_perm(g_idx: torch.Tensor, group_size: int, prefix: str) -> torch.Tensor | None:
@@ -97,9 +113,44 @@ class Int4LinearMethod(LinearMethod):
         layer.register_buffer("w4_zeros", zeros.to(torch.uint8).contiguous())
         layer.register_buffer("w4_perm", perm)
 
+    def finalize_sparse_groups(
+        self,
+        layer: nn.Module,
+        q: torch.Tensor,  # uint8 [K, N]: this rank's rows
+        zeros: torch.Tensor,  # uint8 [G, N]: every group of the checkpoint
+        scales: torch.Tensor,  # [G, N]
+        g_idx: torch.Tensor,  # [K] checkpoint group of each row
+    ) -> None:
+        """Act-order rows of a row-parallel rank use any groups, each fewer than group_size times:
+        rows are sorted into one full-size slot per group they use, the slots' spare rows read an
+        appended zero activation column (``w4_gather``), so the kernel sees contiguous groups."""
+        k, gs = q.shape[0], self.group_size
+        g_idx = g_idx.to(torch.long)
+        if int(g_idx.min()) < 0 or int(g_idx.max()) >= zeros.shape[0]:
+            raise ValueError(f"{self.prefix}: g_idx values outside 0..{zeros.shape[0] - 1}")
+        order = torch.argsort(g_idx, stable=True)
+        used, counts = torch.unique_consecutive(g_idx[order], return_counts=True)
+        if int(counts.max()) > gs:
+            raise ValueError(f"{self.prefix}: g_idx gives a group more than {gs} rows")
+        slot = torch.repeat_interleave(torch.arange(used.numel(), device=q.device), counts)  # slot of each sorted row
+        first = torch.cumsum(counts, 0) - counts
+        dest = slot * gs + torch.arange(k, device=q.device) - first[slot]
+        q_pad = torch.zeros(used.numel() * gs, q.shape[1], dtype=torch.uint8, device=q.device)
+        q_pad[dest] = q[order]
+        gather = torch.full((used.numel() * gs,), k, dtype=torch.long, device=q.device)  # k: the zero column
+        gather[dest] = order
+        layer.register_buffer("w4_qweight", pack_int4(q_pad).contiguous())
+        layer.register_buffer("w4_scales", scales[used].to(torch.float32).contiguous())
+        layer.register_buffer("w4_zeros", zeros[used].to(torch.uint8).contiguous())
+        layer.register_buffer("w4_perm", None)
+        layer.register_buffer("w4_gather", gather)
+
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
         x2 = x.reshape(-1, k)
+        gather = getattr(layer, "w4_gather", None)
+        if gather is not None:
+            x2 = torch.cat([x2, x2.new_zeros(x2.shape[0], 1)], dim=1).index_select(1, gather)
         args = (layer.w4_qweight, layer.w4_scales, layer.w4_zeros, self.group_size, layer.w4_perm, bias)
         if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
             from paged_backend.kernels.int4_gemm import int4_gemm
