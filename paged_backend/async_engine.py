@@ -18,7 +18,7 @@ from typing import Any
 
 from paged_backend.config import EngineConfig
 from paged_backend.engine import LLMEngine, PreparedRequest
-from paged_backend.errors import EngineDeadError
+from paged_backend.errors import EngineDeadError, InvalidRequestError
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
@@ -83,8 +83,6 @@ class AsyncEngine:
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
-                from paged_backend.errors import InvalidRequestError
-
                 raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
             self._streams[request_id] = stream
         self._send("add", prep)

@@ -124,8 +124,7 @@ class LLMEngine:
 
     @property
     def kv_capacity_tokens(self) -> int:
-        return (self.kv.num_total_usable if hasattr(self.kv, "num_total_usable")
-                else self.runner.num_blocks - 1) * self.config.block_size
+        return self.kv.block_pool.num_total_usable * self.config.block_size
 
     def process_input(
         self,
@@ -401,7 +400,7 @@ class LLMEngine:
             close()
 
     def reset_prefix_cache(self) -> bool:
-        return self.kv.block_pool.reset_prefix_cache() if hasattr(self.kv, "block_pool") else False
+        return self.kv.reset_prefix_cache()
 
 
 def _resolve_device(name: str) -> torch.device:

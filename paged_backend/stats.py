@@ -54,8 +54,7 @@ class EngineStats:
 
     def log(self, scheduler, kv, now: float) -> None:
         dt = max(now - self._last_log, 1e-9)
-        hits = kv.block_pool.stats
-        rate = hits.hits / hits.queries if getattr(hits, "queries", 0) else 0.0
+        rate = kv.stats.hit_rate
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%",
@@ -66,14 +65,14 @@ class EngineStats:
         self._last_log, self._last_prompt, self._last_gen = now, self.prompt_tokens_total, self.generation_tokens_total
 
     def snapshot(self, scheduler, kv) -> dict:
-        hits = kv.block_pool.stats
+        hits = kv.stats
         return {
             "num_running": scheduler.num_running,
             "num_waiting": scheduler.num_waiting,
             "kv_cache_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,
-            "prefix_cache_queries": getattr(hits, "queries", 0),
-            "prefix_cache_hits": getattr(hits, "hits", 0),
+            "prefix_cache_queries": hits.queries,
+            "prefix_cache_hits": hits.hits,
             "prompt_tokens_total": self.prompt_tokens_total,
             "generation_tokens_total": self.generation_tokens_total,
             "num_requests_total": self.num_requests_total,
