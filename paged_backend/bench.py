@@ -74,6 +74,8 @@ def add_throughput_parser(sub) -> None:
     p.add_argument("--random-range-ratio", type=float, default=0.0,
                    help="input/output lengths uniform in [len*(1-r), len*(1+r)]")
     p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--temperatures", default=None,
+                   help="comma list, one timed run each (the vLLM peer script uses 0,1,0); default: --temperature once")
     p.add_argument("--warmup-prompts", type=int, default=8)
     p.add_argument("--hf", action="store_true", help="also run transformers' padded-batch generate")
     p.add_argument("--hf-batch-size", type=int, default=None, help="HF batch (default: all prompts at once)")
@@ -96,25 +98,33 @@ def run_throughput(args: argparse.Namespace) -> int:
     prompts = random_prompts(args.num_prompts, args.input_len, vocab, range_ratio=args.random_range_ratio)
     outs_len = output_lens(args.num_prompts, args.output_len, args.random_range_ratio)
 
-    def params(n_out: int) -> SamplingParams:
-        return SamplingParams(temperature=args.temperature, max_tokens=n_out, min_tokens=n_out,
+    def params(n_out: int, temp: float) -> SamplingParams:
+        return SamplingParams(temperature=temp, max_tokens=n_out, min_tokens=n_out,
                               ignore_eos=True, detokenize=False)
 
+    temps = [float(x) for x in args.temperatures.split(",")] if args.temperatures else [args.temperature]
     warm = random_prompts(args.warmup_prompts, args.input_len, vocab, seed=2)
-    llm.generate(warm, params(8), use_tqdm=False)
-    engine.reset_prefix_cache()
-    engine.stats.peak_kv_usage = engine.stats.peak_kv_waste = 0.0
-    t = time.perf_counter()
-    outs = llm.generate(prompts, [params(n) for n in outs_len], use_tqdm=False)
-    dt = time.perf_counter() - t
-    n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
+    for temp in sorted(set(temps)):
+        llm.generate(warm, params(8, temp), use_tqdm=False)
     n_in = sum(len(p) for p in prompts)
-    rows = [dict(engine="paged-backend", device=str(engine.device), dtype=str(engine.dtype).replace("torch.", ""),
-                 prompts=len(prompts), input_tokens=n_in, output_tokens=n_gen, elapsed_s=round(dt, 3),
-                 req_s=round(len(prompts) / dt, 2), output_tok_s=round(n_gen / dt, 1),
-                 total_tok_s=round((n_gen + n_in) / dt, 1),
-                 peak_kv_usage=round(engine.stats.peak_kv_usage, 4),
-                 kv_waste=round(engine.stats.peak_kv_waste, 4))]
+    rows = []
+    for temp in temps:
+        engine.reset_prefix_cache()
+        engine.stats.peak_kv_usage = engine.stats.peak_kv_waste = 0.0
+        t = time.perf_counter()
+        outs = llm.generate(prompts, [params(n, temp) for n in outs_len], use_tqdm=False)
+        dt = time.perf_counter() - t
+        n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
+        rows.append(dict(engine="paged-backend", device=str(engine.device),
+                         dtype=str(engine.dtype).replace("torch.", ""), kv=str(engine.runner.kv_dtype).replace(
+                             "torch.", ""), temperature=temp, prompts=len(prompts), input_tokens=n_in,
+                         output_tokens=n_gen, elapsed_s=round(dt, 3), req_s=round(len(prompts) / dt, 2),
+                         output_tok_s=round(n_gen / dt, 1), total_tok_s=round((n_gen + n_in) / dt, 1),
+                         peak_kv_usage=round(engine.stats.peak_kv_usage, 4),
+                         kv_waste=round(engine.stats.peak_kv_waste, 4)))
+    if len(rows) > 1:
+        med = sorted(rows, key=lambda r: r["output_tok_s"])[len(rows) // 2]
+        rows.append(dict(med, engine="paged-backend (median)", temperature="-"))
     if args.hf:
         rows.append(run_hf(engine, prompts, outs_len, args))
     print_table(rows)
@@ -163,7 +173,7 @@ def run_hf(engine, prompts: list[list[int]], outs_len: list[int], args: argparse
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
-    cols = ["engine", "device", "dtype", "prompts", "input_tokens", "output_tokens", "elapsed_s", "req_s",
+    cols = ["engine", "device", "dtype", "kv", "temperature", "prompts", "input_tokens", "output_tokens", "elapsed_s", "req_s",
             "output_tok_s", "total_tok_s", "peak_kv_usage", "kv_waste"]
     widths = {c: max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols}
     print(" | ".join(c.ljust(widths[c]) for c in cols))
