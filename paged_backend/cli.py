@@ -1,4 +1,4 @@
-"""``paged-backend`` command line: ``generate``, ``chat`` and ``bench {throughput,kernels}``.
+"""``paged-backend`` command line: ``generate``, ``chat`` and ``bench {throughput,serve,kernels}``.
 
 Engine flags use vLLM's names (``--max-num-seqs``, ``--kv-cache-dtype fp8`` ...); each
 maps one to one onto an :class:`EngineConfig` field.
@@ -29,6 +29,7 @@ _ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "--quantization": (str, "awq | gptq | fp8 | compressed-tensors (checked against the checkpoint)"),
     "--load-format": (str, "auto | safetensors | dummy (random weights)"),
     "--attention-backend": (str, "auto | torch | triton"),
+    "--max-cudagraph-capture-size": (int, "largest decode batch run as a CUDA graph (default 512)"),
     "--seed": (int, "engine seed"),
     "--served-model-name": (str, "name reported by the API"),
     "--log-stats-interval": (float, "seconds between stats lines (0: off)"),
@@ -40,6 +41,7 @@ _ENGINE_BOOLS = {
     "--no-enable-chunked-prefill": ("enable_chunked_prefill", False),
     "--calculate-kv-scales": ("calculate_kv_scales", True),
     "--disable-log-stats": ("disable_log_stats", True),
+    "--enforce-eager": ("enforce_eager", True),
 }
 
 
@@ -101,8 +103,10 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     from paged_backend.bench import add_throughput_parser
+    from paged_backend.bench_serve import add_serve_parser
 
     add_throughput_parser(bsub)
+    add_serve_parser(bsub)
     k = bsub.add_parser("kernels", help="check, then time the Triton kernels (CUDA)", add_help=False)
     k.add_argument("rest", nargs=argparse.REMAINDER)
     k.set_defaults(func=_cmd_bench_kernels)

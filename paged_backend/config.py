@@ -5,9 +5,13 @@ Field names follow vLLM's CLI flags (``--max-num-seqs`` -> ``max_num_seqs``).
 
 from __future__ import annotations
 
-from typing import Literal
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+if TYPE_CHECKING:
+    import torch
 
 
 class EngineConfig(BaseModel):
@@ -19,8 +23,9 @@ class EngineConfig(BaseModel):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     max_model_len: int | None = Field(None, ge=16)
-    max_num_seqs: int = Field(256, ge=1)
-    max_num_batched_tokens: int | None = Field(None, ge=16)
+    max_num_seqs: int | None = Field(None, ge=1, description="default: 1024 on GPUs of >= 70 GiB, else 256")
+    max_num_batched_tokens: int | None = Field(
+        None, ge=16, description="default: 16384 on GPUs of >= 70 GiB, 8192 on smaller GPUs, 2048 on the CPU")
     enable_chunked_prefill: bool = True
     block_size: Literal[16, 32, 64] = 16
     enable_prefix_caching: bool = True
@@ -33,6 +38,8 @@ class EngineConfig(BaseModel):
     quantization: str | None = None
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
+    enforce_eager: bool = Field(False, description="never use CUDA graphs")
+    max_cudagraph_capture_size: int = Field(512, ge=1, description="largest decode batch captured as a CUDA graph")
     seed: int = 0
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines; 0 = off")
     disable_log_stats: bool = False
@@ -53,3 +60,35 @@ class EngineConfig(BaseModel):
     @property
     def name(self) -> str:
         return self.served_model_name or self.model
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The step limits a config resolves to on one device (the engine and every runner agree)."""
+
+    max_model_len: int
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+BIG_GPU_BYTES = 70 << 30  # vLLM's threshold for its larger defaults (H100/H200-class cards)
+
+
+def resolve_limits(config: EngineConfig, max_position_embeddings: int, device: torch.device) -> Limits:
+    """Defaults as vLLM's offline ``LLM`` picks them: more sequences and tokens per step on big GPUs."""
+    if config.max_model_len and config.max_model_len > max_position_embeddings:
+        raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
+                         f"max_position_embeddings {max_position_embeddings}")
+    max_model_len = min(config.max_model_len or max_position_embeddings, max_position_embeddings)
+    if device.type == "cuda":
+        import torch
+
+        big = torch.cuda.get_device_properties(device).total_memory >= BIG_GPU_BYTES
+        seqs, tokens = (1024, 16384) if big else (256, 8192)
+    else:
+        seqs, tokens = 256, 2048
+    max_num_seqs = config.max_num_seqs or seqs
+    budget = config.max_num_batched_tokens or max(tokens, max_num_seqs)
+    if not config.enable_chunked_prefill:
+        budget = max(budget, max_model_len)
+    return Limits(max_model_len, max_num_seqs, budget)

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, resolve_limits
 from paged_backend.default_model import resolve_model_path
 from paged_backend.detokenizer import IncrementalDetokenizer
 from paged_backend.errors import InvalidRequestError
@@ -86,14 +86,10 @@ class LLMEngine:
         self.device = _resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.info, self.device)
         self.tokenizer = _load_tokenizer(config.tokenizer or model_dir, required=config.load_format != "dummy")
-        self.max_model_len = min(config.max_model_len or self.info.max_position_embeddings,
-                                 self.info.max_position_embeddings)
-        if config.max_model_len and config.max_model_len > self.info.max_position_embeddings:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's "
-                             f"max_position_embeddings {self.info.max_position_embeddings}")
-        self.max_num_batched_tokens = config.max_num_batched_tokens or max(2048, config.max_num_seqs)
-        if not config.enable_chunked_prefill:
-            self.max_num_batched_tokens = max(self.max_num_batched_tokens, self.max_model_len)
+        limits = resolve_limits(config, self.info.max_position_embeddings, self.device)
+        self.max_model_len = limits.max_model_len
+        self.max_num_seqs = limits.max_num_seqs
+        self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.eos_token_ids = tuple(self.info.eos_token_ids)
 
         self.runner = create_model_runner(config, model_dir, self.info, self.device, self.dtype)
@@ -102,7 +98,7 @@ class LLMEngine:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
             self.kv,
-            max_num_seqs=config.max_num_seqs,
+            max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,

@@ -1,12 +1,15 @@
 """Turns a SchedulerOutput into model inputs, runs the model over the paged KV cache and
 returns the logits rows the engine samples from.
 
-Per step it builds (see attention/backend.py for the index math)::
+Per step it builds (step_inputs.py; attention/backend.py has the index math)::
 
     input_ids, positions   [T]          the new tokens of every scheduled request, concatenated
     slot_mapping           [T]  int64   block_ids[pos // bs] * bs + pos % bs
-    block_tables           [S, maxblk]  int32, padded with the null block 0
+    block_tables           [S, maxblk]  int32 (entries past a request's blocks are never read)
     seq_lens, query_start_loc           int32
+
+On CUDA, decode-only steps of up to ``max_cudagraph_capture_size`` requests replay a
+captured CUDA graph (cuda_graphs.py) instead of launching the model's kernels one by one.
 """
 
 from __future__ import annotations
@@ -18,13 +21,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from paged_backend.attention import AttentionMetadata, get_attention_backend
-from paged_backend.config import EngineConfig
+from paged_backend.config import EngineConfig, resolve_limits
+from paged_backend.cuda_graphs import DecodeGraphs
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE
 from paged_backend.kernels_ops import get_kernel_ops
 from paged_backend.model_info import ModelInfo
 from paged_backend.model_loader import load_model
 from paged_backend.models.parallel import local_heads
 from paged_backend.scheduler import SchedulerOutput
+from paged_backend.step_inputs import StepInputBuilder
 
 if TYPE_CHECKING:
     from paged_backend.distributed import TPGroup
@@ -63,6 +68,13 @@ class ModelRunner:
             self._setup_kv_scales()
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.limits = resolve_limits(config, info.max_position_embeddings, device)
+        max_blocks = -(-self.limits.max_model_len // self.block_size) + 1
+        self.inputs = StepInputBuilder(self.limits.max_num_batched_tokens, self.limits.max_num_seqs, max_blocks,
+                                       self.block_size, device)
+        self._overflow: StepInputBuilder | None = None
+        self.graphs: DecodeGraphs | None = None
+        self._calibration_done = False
 
     def _setup_kv_scales(self) -> None:
         """FP8 KV: scales from the checkpoint, else from the first batch if asked, else 1.0."""
@@ -99,7 +111,7 @@ class ModelRunner:
         """gpu_memory_utilization of the card, minus weights and a profiled activation peak."""
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(self.device)
-        n = min(self.config.max_num_batched_tokens or 2048, 8192)
+        n = self.limits.max_num_batched_tokens
         self._dummy_forward(n)
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - self._mem_before  # weights + activations
@@ -134,16 +146,19 @@ class ModelRunner:
             m.calibrate_kv_scales = False
         with torch.inference_mode():
             hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), pos, caches, meta)
-            self.model.compute_logits(hidden[: min(num_tokens, self.config.max_num_seqs)])
+            self.model.compute_logits(hidden[: min(num_tokens, self.limits.max_num_seqs)])
         for m in attns:
             m.calibrate_kv_scales = True
         del caches
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The cache, then (on CUDA) the decode graphs that read it."""
         self.num_blocks = num_blocks
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.info.num_layers)]
+        if self._graphs_wanted():
+            self.capture_cuda_graphs()
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
@@ -155,66 +170,76 @@ class ModelRunner:
 
     # -- one step ----------------------------------------------------------------------
 
+    def _builder_for(self, sched: SchedulerOutput) -> StepInputBuilder:
+        """The persistent buffers; a step past their size (forked samples over max_num_seqs) gets
+        a larger eager-only set, kept for reuse."""
+        n_seqs = len(sched.scheduled)
+        n_tok = sum(s.num_new_tokens for s in sched.scheduled)
+        n_blk = max((len(s.block_ids) for s in sched.scheduled), default=1)
+        for b in (self.inputs, self._overflow):
+            if b is not None and b.fits(n_tok, n_seqs, n_blk):
+                return b
+        lim = self.limits
+        self._overflow = StepInputBuilder(max(n_tok, lim.max_num_batched_tokens), max(n_seqs, lim.max_num_seqs),
+                                          max(n_blk, self.inputs.max_blocks), self.block_size, self.device)
+        return self._overflow
+
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> ModelOutput:
         self.copy_blocks(sched.blocks_to_copy)
-        bs = self.block_size
-        ids: list[int] = []
-        pos: list[int] = []
-        seq_lens: list[int] = []
-        qsl = [0]
-        rows: list[list[int]] = []
-        sample_ids: list[str] = []
-        sample_rows: list[int] = []
-        prompt_spans: list[tuple[str, int, int, int]] = []  # (req id, first row, count, start pos)
-        for s in sched.scheduled:
-            n = s.num_new_tokens
-            ids.extend(s.token_ids)
-            pos.extend(range(s.start_pos, s.start_pos + n))
-            seq_lens.append(s.start_pos + n)
-            rows.append(s.block_ids)
-            if s.request.sampling_params.prompt_logprobs is not None:
-                last_prompt = s.request.num_prompt_tokens - 1
-                count = min(s.start_pos + n, last_prompt) - s.start_pos
-                if count > 0:
-                    prompt_spans.append((s.request.request_id, qsl[-1], count, s.start_pos))
-            qsl.append(qsl[-1] + n)
-            if s.samples:
-                sample_ids.append(s.request.request_id)
-                sample_rows.append(qsl[-1] - 1)
-        max_blocks = max(len(r) for r in rows)
-        table = torch.zeros((len(rows), max_blocks), dtype=torch.int32)
-        for i, r in enumerate(rows):
-            table[i, : len(r)] = torch.tensor(r, dtype=torch.int32)
-        positions = torch.tensor(pos, dtype=torch.long)
-        seq_idx = torch.repeat_interleave(torch.arange(len(rows)), torch.tensor(qsl[1:]) - torch.tensor(qsl[:-1]))
-        slots = table[seq_idx, positions // bs].long() * bs + positions % bs
-        qlens = [qsl[i + 1] - qsl[i] for i in range(len(rows))]
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=slots.to(dev, non_blocking=True),
-            block_tables=table.to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(qsl, dtype=torch.int32).to(dev, non_blocking=True),
-            max_query_len=max(qlens),
-            max_seq_len=max(seq_lens),
-            block_size=bs,
-            seq_lens_cpu=seq_lens,
-            query_lens_cpu=qlens,
-            sliding_window=getattr(self.model, "sliding_window", None),
-        )
-        hidden = self.model(
-            torch.tensor(ids, dtype=torch.long).to(dev, non_blocking=True),
-            positions.to(dev, non_blocking=True),
-            self.kv_caches,
-            meta,
-        )
-        logits = self.model.compute_logits(hidden[torch.tensor(sample_rows, dtype=torch.long, device=dev)])
+        builder = self._builder_for(sched)
+        n_seqs = len(sched.scheduled)
+        bucket = None
+        if self.graphs is not None and builder is self.inputs and self._graphs_usable():
+            if all(s.num_new_tokens == 1 for s in sched.scheduled):
+                bucket = self.graphs.bucket(n_seqs)
+        window = getattr(self.model, "sliding_window", None)
+        if bucket is not None:
+            step = builder.build(sched, pad_to=bucket, max_seq_len_bound=self.limits.max_model_len,
+                                 sliding_window=window)
+            hidden = self.graphs.replay(bucket)
+        else:
+            step = builder.build(sched, sliding_window=window)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        rows = step.sample_rows
+        if len(rows) == step.num_tokens:  # every row samples (decode): no gather
+            sel = hidden[: step.num_tokens]
+        else:
+            sel = hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(sel)
         prompt_logits = {
             rid: (start, self.model.compute_logits(hidden[first : first + count]))
-            for rid, first, count, start in prompt_spans
+            for rid, first, count, start in step.prompt_spans
         }
-        return ModelOutput(sample_ids, logits, prompt_logits)
+        return ModelOutput(step.sample_request_ids, logits, prompt_logits)
+
+    # -- CUDA graphs ------------------------------------------------------------------
+
+    def _graphs_wanted(self) -> bool:
+        cfg = self.config
+        return (self.device.type == "cuda" and not cfg.enforce_eager and self.attn_backend.name == "triton"
+                and (self.tp is None or self.tp.world_size == 1))
+
+    def _graphs_usable(self) -> bool:
+        """Not while an fp8 KV scale still waits for the first batch (the graphs skip that branch)."""
+        if self._calibration_done:
+            return True
+        self._calibration_done = not any(getattr(m, "calibrate_kv_scales", False) for m in self.model.modules())
+        return self._calibration_done
+
+    def capture_cuda_graphs(self) -> None:
+        lim = self.limits
+        max_size = min(self.config.max_cudagraph_capture_size, lim.max_num_seqs, lim.max_num_batched_tokens)
+        self.graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                                   self.inputs, max_size, lim.max_model_len)
+        pending = [m for m in self.model.modules() if getattr(m, "calibrate_kv_scales", False)]
+        for m in pending:  # a dummy batch must not set the fp8 scales
+            m.calibrate_kv_scales = False
+        try:
+            self.graphs.capture(getattr(self.model, "sliding_window", None))
+        finally:
+            for m in pending:
+                m.calibrate_kv_scales = True
 
 
 def _available_ram() -> int:

@@ -1,0 +1,172 @@
+"""Builds one step's model inputs from a SchedulerOutput, with numpy on persistent buffers.
+
+Host arrays live in (pinned, on CUDA) tensors allocated once; each step fills them with a
+short Python loop over the scheduled requests plus vectorized numpy, then copies the used
+prefix to device buffers that are also allocated once (non-blocking on CUDA). The device
+buffers never move, so a CUDA graph captured over slices of them replays with the next
+step's inputs (see ``cuda_graphs.py``). Rows past the step's requests are padding: one
+token at position 0 in no slot (``slot_mapping`` -1), length 1, reading the null block 0.
+
+Index math (DESIGN.md's contract)::
+
+    query_start_loc = [0, q0, q0+q1, ...]            seq_lens[i] = start_i + q_i
+    positions[t]    = start_i + (t - query_start_loc[i])   for t in request i's rows
+    slot_mapping[t] = block_tables[i, pos // bs] * bs + pos % bs
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from paged_backend.attention.backend import AttentionMetadata
+
+
+@dataclass
+class StepInputs:
+    """What one forward pass reads, plus where the logits rows come from."""
+
+    input_ids: torch.Tensor  # int64 [T] (padded: [num_padded_tokens])
+    positions: torch.Tensor  # int64 [T]
+    meta: AttentionMetadata
+    num_tokens: int  # real tokens (T before padding)
+    num_seqs: int  # real requests
+    decode_only: bool  # every request has exactly one new token
+    sample_request_ids: list[str]
+    sample_rows: list[int]  # hidden-state rows whose logits are sampled
+    prompt_spans: list[tuple[str, int, int, int]]  # (request id, first row, count, start position)
+
+
+class StepInputBuilder:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device) -> None:
+        self.block_size = block_size
+        self.device = device
+        self.max_tokens, self.max_seqs, self.max_blocks = max_tokens, max_seqs, max_blocks_per_seq
+        pin = device.type == "cuda"
+
+        def host(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        self._h_ids = host((max_tokens,), torch.int64)
+        self._h_pos = host((max_tokens,), torch.int64)
+        self._h_slots = host((max_tokens,), torch.int64)
+        self._h_seq_lens = host((max_seqs,), torch.int32)
+        self._h_qsl = host((max_seqs + 1,), torch.int32)
+        self._h_table = host((max_seqs, max_blocks_per_seq), torch.int32)
+        self.ids_np, self.pos_np, self.slots_np = self._h_ids.numpy(), self._h_pos.numpy(), self._h_slots.numpy()
+        self.seq_lens_np, self.qsl_np, self.table_np = (
+            self._h_seq_lens.numpy(), self._h_qsl.numpy(), self._h_table.numpy())
+        self.starts_np = np.zeros(max_seqs, dtype=np.int64)
+        self.qlens_np = np.zeros(max_seqs, dtype=np.int64)
+        if pin:
+            self.ids, self.pos, self.slots, self.seq_lens, self.qsl, self.table = (
+                torch.zeros_like(t, device=device) for t in
+                (self._h_ids, self._h_pos, self._h_slots, self._h_seq_lens, self._h_qsl, self._h_table))
+        else:  # the CPU reads the host arrays themselves
+            self.ids, self.pos, self.slots = self._h_ids, self._h_pos, self._h_slots
+            self.seq_lens, self.qsl, self.table = self._h_seq_lens, self._h_qsl, self._h_table
+
+    def fits(self, num_tokens: int, num_seqs: int, max_blocks: int) -> bool:
+        return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and max_blocks <= self.max_blocks
+
+    def build(self, sched: Any, pad_to: int | None = None, max_seq_len_bound: int | None = None,
+              sliding_window: int | None = None) -> StepInputs:
+        """Fills the buffers; ``pad_to`` rounds a decode-only batch up to a captured graph's size."""
+        scheduled = sched.scheduled
+        s_count = len(scheduled)
+        ids, table = self.ids_np, self.table_np
+        starts, qlens = self.starts_np, self.qlens_np
+        t = 0
+        max_blocks = 1
+        sample_ids: list[str] = []
+        sample_rows: list[int] = []
+        prompt_spans: list[tuple[str, int, int, int]] = []
+        for i, s in enumerate(scheduled):
+            n = s.num_new_tokens
+            start = s.start_pos
+            toks = s.token_ids
+            if n == 1:
+                ids[t] = toks[0]
+            else:
+                ids[t : t + n] = toks
+            starts[i] = start
+            qlens[i] = n
+            blocks = s.block_ids
+            nb = len(blocks)
+            table[i, :nb] = blocks
+            if nb > max_blocks:
+                max_blocks = nb
+            req = s.request
+            if req.sampling_params.prompt_logprobs is not None:
+                count = min(start + n, req.num_prompt_tokens - 1) - start
+                if count > 0:
+                    prompt_spans.append((req.request_id, t, count, start))
+            t += n
+            if s.samples:
+                sample_ids.append(req.request_id)
+                sample_rows.append(t - 1)
+        num_tokens = t
+        decode_only = num_tokens == s_count
+        st, ql = starts[:s_count], qlens[:s_count]
+        seq_lens = self.seq_lens_np
+        seq_lens[:s_count] = st + ql
+        qsl = self.qsl_np
+        qsl[0] = 0
+        qsl[1 : s_count + 1] = np.cumsum(ql)
+        bs = self.block_size
+        pos = self.pos_np
+        if decode_only:
+            pos[:num_tokens] = st
+            seq_idx = np.arange(s_count)
+        else:
+            seq_idx = np.repeat(np.arange(s_count), ql)
+            pos[:num_tokens] = np.arange(num_tokens) + np.repeat(st - qsl[:s_count], ql)
+            # a 1-token step of a long prompt and a decode row look alike; only all-ones is decode
+        p = pos[:num_tokens]
+        self.slots_np[:num_tokens] = table[seq_idx, p // bs].astype(np.int64) * bs + p % bs
+        seq_lens_cpu = seq_lens[:s_count].tolist()
+        qlens_cpu = ql.tolist()
+        max_seq_len = max(seq_lens_cpu, default=1)
+
+        n_seqs = n_tok = s_count if decode_only else None
+        if pad_to is not None and decode_only and pad_to > s_count:
+            n_seqs = n_tok = pad_to
+            ids[s_count:pad_to] = 0
+            pos[s_count:pad_to] = 0
+            self.slots_np[s_count:pad_to] = -1
+            seq_lens[s_count:pad_to] = 1
+            qsl[s_count + 1 : pad_to + 1] = np.arange(s_count + 1, pad_to + 1)
+            table[s_count:pad_to, 0] = 0
+        if n_seqs is None:
+            n_seqs, n_tok = s_count, num_tokens
+        self._upload(n_tok, n_seqs, max_blocks)
+        dev_table = self.table[:n_seqs] if pad_to is not None else self.table[:n_seqs, :max_blocks]
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:n_tok],
+            block_tables=dev_table,
+            seq_lens=self.seq_lens[:n_seqs],
+            query_start_loc=self.qsl[: n_seqs + 1],
+            max_query_len=int(ql.max()) if s_count else 1,
+            max_seq_len=max_seq_len if max_seq_len_bound is None else max_seq_len_bound,
+            block_size=bs,
+            seq_lens_cpu=seq_lens_cpu,
+            query_lens_cpu=qlens_cpu,
+            sliding_window=sliding_window,
+        )
+        return StepInputs(self.ids[:n_tok], self.pos[:n_tok], meta, num_tokens, s_count, decode_only,
+                          sample_ids, sample_rows, prompt_spans)
+
+    def _upload(self, n_tok: int, n_seqs: int, max_blocks: int) -> None:
+        if self.ids is self._h_ids:
+            return
+        nb = True  # the host buffers are pinned; the engine syncs on the sampled ids before reuse
+        self.ids[:n_tok].copy_(self._h_ids[:n_tok], non_blocking=nb)
+        self.pos[:n_tok].copy_(self._h_pos[:n_tok], non_blocking=nb)
+        self.slots[:n_tok].copy_(self._h_slots[:n_tok], non_blocking=nb)
+        self.seq_lens[:n_seqs].copy_(self._h_seq_lens[:n_seqs], non_blocking=nb)
+        self.qsl[: n_seqs + 1].copy_(self._h_qsl[: n_seqs + 1], non_blocking=nb)
+        self.table[:n_seqs, :max_blocks].copy_(self._h_table[:n_seqs, :max_blocks], non_blocking=nb)

@@ -1,0 +1,109 @@
+"""The step-input builder (numpy on persistent buffers) and the CUDA-graph size buckets."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+import torch
+
+from paged_backend.cuda_graphs import DecodeGraphs, capture_sizes
+from paged_backend.step_inputs import StepInputBuilder
+
+
+@dataclass
+class _Params:
+    prompt_logprobs: int | None = None
+
+
+@dataclass
+class _Req:
+    request_id: str
+    all_token_ids: list[int]
+    num_prompt_tokens: int
+    sampling_params: _Params = field(default_factory=_Params)
+
+
+@dataclass
+class _Sched:
+    request: _Req
+    start_pos: int
+    num_new_tokens: int
+    block_ids: list[int]
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.request.all_token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+
+    @property
+    def samples(self) -> bool:
+        return self.start_pos + self.num_new_tokens == len(self.request.all_token_ids)
+
+
+@dataclass
+class _Out:
+    scheduled: list[_Sched]
+
+
+def _builder(max_tokens: int = 64, max_seqs: int = 8, max_blocks: int = 6) -> StepInputBuilder:
+    return StepInputBuilder(max_tokens, max_seqs, max_blocks, block_size=4, device=torch.device("cpu"))
+
+
+def test_mixed_batch_matches_the_index_contract():
+    a = _Req("a", list(range(100, 110)), num_prompt_tokens=10)  # prefill chunk: positions 3..9
+    b = _Req("b", list(range(200, 206)), num_prompt_tokens=5)  # decode: position 5
+    c = _Req("c", list(range(300, 320)), num_prompt_tokens=20, sampling_params=_Params(prompt_logprobs=1))
+    sched = _Out([_Sched(a, 3, 7, [7, 3, 9]), _Sched(b, 5, 1, [4, 8]), _Sched(c, 0, 6, [11, 12])])
+    step = _builder().build(sched)
+    assert step.input_ids.tolist() == list(range(103, 110)) + [205] + list(range(300, 306))
+    assert step.positions.tolist() == list(range(3, 10)) + [5] + list(range(0, 6))
+    blocks = {0: [7, 3, 9], 1: [4, 8], 2: [11, 12]}
+    owner = [0] * 7 + [1] + [2] * 6
+    expect = [blocks[o][p // 4] * 4 + p % 4 for o, p in zip(owner, step.positions.tolist(), strict=True)]
+    assert step.meta.slot_mapping.tolist() == expect
+    assert step.meta.seq_lens.tolist() == [10, 6, 6]
+    assert step.meta.query_start_loc.tolist() == [0, 7, 8, 14]
+    assert step.meta.block_tables[0].tolist() == [7, 3, 9]
+    assert step.meta.block_tables[1, :2].tolist() == [4, 8]
+    assert (step.meta.max_query_len, step.meta.max_seq_len) == (7, 10)
+    assert step.meta.seq_lens_cpu == [10, 6, 6] and step.meta.query_lens_cpu == [7, 1, 6]
+    assert not step.decode_only
+    # a and b reach their last token and sample; c is mid-prompt but wants prompt logprobs
+    assert step.sample_request_ids == ["a", "b"] and step.sample_rows == [6, 7]
+    assert step.prompt_spans == [("c", 8, 6, 0)]
+
+
+def test_decode_batch_pads_to_a_graph_size():
+    reqs = [_Req(str(i), [1] * (5 + i), num_prompt_tokens=3) for i in range(3)]
+    sched = _Out([_Sched(r, len(r.all_token_ids) - 1, 1, [10 + i, 20 + i]) for i, r in enumerate(reqs)])
+    b = _builder()
+    b.build(_Out([_Sched(_Req("x", [5] * 24, 24), 0, 24, [1, 2, 3, 4, 5, 6])]))  # leaves stale rows behind
+    step = b.build(sched, pad_to=8, max_seq_len_bound=24)
+    assert step.decode_only and step.num_seqs == 3 and step.num_tokens == 3
+    assert step.input_ids.shape[0] == 8 and step.meta.block_tables.shape == (8, 6)
+    assert step.meta.slot_mapping[3:].tolist() == [-1] * 5  # padding writes nothing
+    assert step.meta.seq_lens[3:].tolist() == [1] * 5
+    assert step.meta.query_start_loc.tolist() == list(range(9))
+    assert step.meta.block_tables[3:, 0].tolist() == [0] * 5  # padding reads the null block
+    assert step.meta.max_seq_len == 24  # the bound the graph was captured with
+    assert step.positions[:3].tolist() == [4, 5, 6]
+    assert step.meta.slot_mapping[:3].tolist() == [20 * 4 + 0, 21 * 4 + 1, 22 * 4 + 2]  # second block of each
+
+
+def test_fits_reports_overflow():
+    b = _builder(max_tokens=16, max_seqs=2, max_blocks=3)
+    assert b.fits(16, 2, 3)
+    assert not b.fits(17, 2, 3) and not b.fits(4, 3, 1) and not b.fits(4, 1, 4)
+
+
+@pytest.mark.parametrize("cap, expect_tail", [(1, [1]), (6, [1, 2, 4, 6]), (20, [8, 16, 20]), (512, [504, 512])])
+def test_capture_sizes(cap, expect_tail):
+    sizes = capture_sizes(cap)
+    assert sizes == sorted(set(sizes)) and sizes[-1] == cap
+    assert sizes[-len(expect_tail):] == expect_tail
+
+
+def test_bucket_is_the_smallest_size_that_fits():
+    g = DecodeGraphs(lambda *a: None, _builder(), max_size=40, max_model_len=64)
+    assert [g.bucket(n) for n in (1, 2, 3, 5, 8, 9, 33, 40)] == [1, 2, 4, 8, 8, 16, 40, 40]
+    assert g.bucket(41) is None
