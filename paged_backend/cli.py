@@ -103,9 +103,11 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     from paged_backend.bench import add_throughput_parser
+    from paged_backend.bench_quant import add_quant_parser
     from paged_backend.bench_serve import add_serve_parser
 
     add_throughput_parser(bsub)
+    add_quant_parser(bsub)
     add_serve_parser(bsub)
     k = bsub.add_parser("kernels", help="check, then time the Triton kernels (CUDA)", add_help=False)
     k.add_argument("rest", nargs=argparse.REMAINDER)

@@ -4,7 +4,10 @@
       -> load_weights(tensor by tensor from each *.safetensors file) -> every parameter loaded?
 
 ``load_format="dummy"`` skips the files: seeded random weights of the right shapes, for
-benchmarks and tests that need only config.json.
+benchmarks and tests that need only config.json. With a quantization method (the checkpoint's,
+or ``--quantization`` over a plain config.json) each quantized linear fills its own
+checkpoint-format tensors (``LinearMethod.init_dummy_weights``), then they are processed
+exactly like loaded ones.
 """
 
 from __future__ import annotations
@@ -136,10 +139,21 @@ def materialize(model: nn.Module, device: torch.device) -> None:
 
 @torch.no_grad()
 def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02) -> None:
-    """Seeded N(0, std) weights, zero biases, unit norm weights (``load_format="dummy"``)."""
+    """Seeded N(0, std) weights, zero biases, unit norm weights (``load_format="dummy"``);
+    quantized linears get random tensors in their checkpoint format from their method."""
+    quantized: set[int] = set()
+    for i, module in enumerate(model.modules()):
+        method = getattr(module, "linear_method", None) if isinstance(module, FusedLinear) else None
+        if method is not None:
+            owned = [p for n, p in module.named_parameters(recurse=False) if n != "bias"]
+            quantized.update(id(p) for p in owned)
+            gen = torch.Generator(device=owned[0].device).manual_seed(seed + 1_000_003 * (i + 1))
+            method.init_dummy_weights(module, gen, std)
     for name, p in model.named_parameters():
         gen = torch.Generator(device=p.device).manual_seed(seed)
         seed += 1
+        if id(p) in quantized:
+            continue
         if name.endswith("norm.weight"):
             p.fill_(1.0)
         elif name.endswith(".bias") or not p.is_floating_point():
@@ -168,9 +182,8 @@ def load_model(
     model_dir, device = Path(model_dir), torch.device(device)
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"unsupported load_format {load_format!r}; use one of {', '.join(LOAD_FORMATS)}")
-    quant_config = get_quantization_config(model_dir, info.quantization_config, quantization)
-    if quant_config is not None and load_format == "dummy":
-        raise ValueError(f"load_format='dummy' does not support quantized checkpoints ({quant_config.name})")
+    quant_config = get_quantization_config(model_dir, info.quantization_config, quantization,
+                                           dummy=load_format == "dummy")
     files = [] if load_format == "dummy" else find_safetensors(model_dir)
     cls = get_model_class(info.architecture)
     with torch.device("meta"):

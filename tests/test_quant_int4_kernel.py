@@ -1,7 +1,12 @@
-"""The Triton W4A16 kernel (CPU interpreter, small K/N) against the torch reference, and the
-reference against a from-scratch per-element dequantization."""
+"""The Triton W4A16 kernel against the torch reference: small K/N under the CPU interpreter
+(every compile-time variant: packed / per-row weight loads, group-aligned or not, tl.dot or the
+few-row multiply-sum, split-K), full Llama-3.1-8B sizes on CUDA; and the reference against a
+from-scratch per-element dequantization."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import pytest
 import torch
@@ -88,6 +93,58 @@ def test_triton_split_k_paths_agree(split_k):
                                rtol=1e-5, atol=1e-5)
 
 
+# (config, group_size): each kernel variant once; block_k 64 with group 32 is the per-row-group path
+VARIANTS = [
+    (dict(block_m=16, block_n=32, block_k=64, packed=True), 64),
+    (dict(block_m=16, block_n=32, block_k=64, packed=True), 32),
+    (dict(block_m=16, block_n=64, block_k=64, packed=False), 32),
+    (dict(block_m=1, block_n=32, block_k=32, packed=False), 32),
+    (dict(block_m=4, block_n=32, block_k=64, packed=True), 32),
+    (dict(block_m=2, block_n=32, block_k=32, packed=True, split_k=3), -1),
+]
+
+
+@pytest.mark.parametrize("cfg,group_size", VARIANTS)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_triton_kernel_variants_match_reference(cfg, group_size, act_order):
+    from paged_backend.kernels.int4_gemm import Int4Config, int4_gemm
+
+    k, n, m = 192, 96, 5
+    qweight, _, scales, zeros, perm = _random_int4(k, n, group_size, act_order, torch.float16, seed=7)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(torch.float16)
+    b = torch.randn(n).to(torch.float16)
+    want = int4_gemm_ref(x.float(), qweight, scales, zeros, group_size, perm, b)
+    got = int4_gemm(x, qweight, scales, zeros, group_size, perm, b, config=Int4Config(**cfg))
+    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+
+
+def test_split_k_reduce_is_deterministic_and_adds_bias_once():
+    from paged_backend.kernels.int4_gemm import Int4Config, int4_gemm
+
+    k, n = 256, 40
+    qweight, _, scales, zeros, _ = _random_int4(k, n, 32, False, torch.float32, seed=5)
+    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
+    b = torch.full((n,), 100.0)
+    cfg = Int4Config(block_m=16, block_n=32, block_k=32, split_k=4)
+    a1 = int4_gemm(x, qweight, scales, zeros, 32, None, b, config=cfg)
+    a2 = int4_gemm(x, qweight, scales, zeros, 32, None, b, config=cfg)
+    assert torch.equal(a1, a2)
+    torch.testing.assert_close(a1 - 100.0, int4_gemm_ref(x, qweight, scales, zeros, 32), rtol=1e-4, atol=1e-4)
+
+
+def test_pick_split_k():
+    from paged_backend.kernels.int4_gemm import pick_split_k
+
+    # H200 (132 SMs), M = 1, BN = 64, BK = 128
+    assert pick_split_k(1, 4096, 1, 64, 32, 132) == 9  # 4096 x 4096: ~4 programs per SM
+    assert pick_split_k(1, 4096, 1, 224, 32, 132) == 3  # N = 14336
+    assert pick_split_k(1, 4096, 1, 600, 32, 132) == 1  # the tiles alone fill the GPU
+    assert pick_split_k(1, 512, 1, 4, 4, 132) == 2  # at least two k-blocks per slice
+    assert pick_split_k(1, 1 << 20, 1, 1, 8192, 132) == 16  # capped
+    assert pick_split_k(64, 4096, 1, 32, 64, 132) == 4  # partials no larger than the weight
+    assert pick_split_k(256, 4096, 4, 32, 64, 132) == 1
+
+
 def test_triton_launcher_rejects_bad_arguments():
     from paged_backend.kernels.int4_gemm import int4_gemm
 
@@ -101,3 +158,53 @@ def test_triton_launcher_rejects_bad_arguments():
         int4_gemm(x, qweight, scales, zeros, 48)
     with pytest.raises(ValueError, match="qweight"):
         int4_gemm(torch.randn(2, 72), qweight, scales, zeros, 32)
+
+
+# Full sizes on the GPU: the issue's M grid over Llama-3.1-8B's projections (group 128)
+CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size kernel test needs CUDA")
+@pytest.mark.parametrize("k,n", CUDA_SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 16, 64, 256])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_cuda_full_size_matches_reference(k, n, m, act_order):
+    _check_cuda_case(m, k, n, 128, act_order, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size kernel test needs CUDA")
+@pytest.mark.parametrize("group_size", [32, 64, -1])
+@pytest.mark.parametrize("m", [1, 64])
+@pytest.mark.parametrize("packed", [False, True])
+def test_cuda_group_sizes_and_variants(group_size, m, packed):
+    from paged_backend.kernels.int4_gemm import Int4Config, default_config
+
+    cfg = dataclasses.replace(default_config(m, 4096, 4096, 128), packed=packed)
+    _check_cuda_case(m, 4096, 4096, group_size, True, cfg)
+    if m == 1:  # the no-tl.dot path for single rows
+        _check_cuda_case(m, 4096, 4096, group_size, False, Int4Config(block_m=1, block_n=64, block_k=128,
+                                                                      packed=packed))
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_int4(k, n, group_size, act_order):
+    qweight, _, scales, zeros, perm = _random_int4(k, n, group_size, act_order, torch.float32, seed=k + n)
+    return qweight.cuda(), scales.cuda(), zeros.cuda(), perm.cuda() if perm is not None else None
+
+
+def _check_cuda_case(m, k, n, group_size, act_order, cfg):
+    from paged_backend.kernels.int4_gemm import int4_gemm
+
+    dev = torch.device("cuda")
+    qweight, scales, zeros, perm = _cuda_int4(k, n, group_size, act_order)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)).to(dev, torch.bfloat16)
+    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    w = dequantize_int4_ref(qweight, scales, zeros, group_size, torch.bfloat16).float()  # the kernel's operands
+    xs = x.float() if perm is None else x.float().index_select(1, perm.long())
+    want = xs @ w + bias.float()
+    got = int4_gemm(x, qweight, scales, zeros, group_size, perm, bias, config=cfg)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, n) and torch.isfinite(got).all()
+    # fp32 accumulation of the same bf16 operands: the output's bf16 rounding dominates
+    err = ((got.float() - want).norm() / want.norm()).item()
+    assert err < 4e-3, err
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())

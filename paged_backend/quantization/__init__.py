@@ -3,10 +3,16 @@
 ``get_quantization_config`` reads the checkpoint's method (``config.json``'s
 ``quantization_config``, else ``quantize_config.json``), checks it against an explicit
 ``--quantization`` and returns the parsed ``QuantizationConfig`` (None = unquantized).
+
+``load_format="dummy"`` with ``--quantization`` and a config.json without
+``quantization_config`` uses ``DUMMY_CONFIGS``: what the tools write by default (4-bit, group
+128, no act-order; fp8 per-channel weights with dynamic activations), so a model can be
+benchmarked quantized from its shapes alone.
 """
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 from typing import Any
@@ -22,7 +28,22 @@ QUANTIZATION_METHODS: dict[str, type[QuantizationConfig]] = {
 }
 _ALIASES = {"compressed_tensors": "compressed-tensors", "none": None}
 
-__all__ = ["QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config",
+DUMMY_CONFIGS: dict[str, dict[str, Any]] = {
+    "gptq": {"quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True},
+    "awq": {"quant_method": "awq", "bits": 4, "group_size": 128, "zero_point": True, "version": "gemm"},
+    "compressed-tensors": {
+        "quant_method": "compressed-tensors",
+        "format": "pack-quantized",
+        "config_groups": {"group_0": {
+            "targets": ["Linear"],
+            "weights": {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 128},
+        }},
+        "ignore": ["lm_head"],
+    },
+    "fp8": {"quant_method": "fp8", "activation_scheme": "dynamic"},
+}
+
+__all__ = ["DUMMY_CONFIGS", "QUANTIZATION_METHODS", "LinearMethod", "QuantizationConfig", "get_quantization_config",
            "read_quantization_config"]
 
 
@@ -41,10 +62,18 @@ def read_quantization_config(model_dir: Path | str, from_config_json: dict[str, 
 
 
 def get_quantization_config(
-    model_dir: Path | str, from_config_json: dict[str, Any] | None, override: str | None = None
+    model_dir: Path | str, from_config_json: dict[str, Any] | None, override: str | None = None,
+    dummy: bool = False,
 ) -> QuantizationConfig | None:
-    """The checkpoint's quantization; ``override`` (``--quantization``) must agree with it."""
+    """The checkpoint's quantization; ``override`` (``--quantization``) must agree with it.
+
+    ``dummy`` (random weights): a config.json without a quantization config takes the
+    override's ``DUMMY_CONFIGS`` entry instead of failing the check."""
     cfg = read_quantization_config(model_dir, from_config_json)
+    if cfg is None and dummy and override is not None:
+        want = _ALIASES.get(override.lower(), override.lower())
+        if want is not None and want in DUMMY_CONFIGS:
+            cfg = copy.deepcopy(DUMMY_CONFIGS[want])
     found = None
     if cfg is not None:
         found = str(cfg.get("quant_method", "")).lower().replace("_", "-")

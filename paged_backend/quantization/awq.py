@@ -20,7 +20,10 @@ from paged_backend.quantization.base import QuantizationConfig, quant_param, rep
 from paged_backend.quantization.int4 import (
     Int4LinearMethod,
     check_int4_config,
+    dummy_scales,
+    int4_word,
     local_groups,
+    random_int32,
     unpack_int32_cols,
 )
 
@@ -62,6 +65,13 @@ class AWQLinearMethod(Int4LinearMethod):
         quant_param(layer, "qweight", (k, n // 8), torch.int32, out_dim=1, pack=8, in_dim=0)
         quant_param(layer, "qzeros", (g, n // 8), torch.int32, out_dim=1, pack=8, in_dim=g_dim, in_pack=self.group_size)
         quant_param(layer, "scales", (g, n), torch.float32, out_dim=1, in_dim=g_dim, in_pack=self.group_size)
+
+    def init_dummy_weights(self, layer: nn.Module, gen: torch.Generator, std: float) -> None:
+        """Random nibbles, zero point 8, positive scales."""
+        dev = layer.qweight.device
+        layer.qweight.data.copy_(random_int32(layer.qweight.shape, gen, dev))
+        layer.qzeros.data.fill_(int4_word(8))
+        layer.scales.data.copy_(dummy_scales(layer.scales.shape, gen, dev, std))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         q = unpack_int32_cols(layer.qweight.data, AWQ_ORDER)

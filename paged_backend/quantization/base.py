@@ -10,6 +10,9 @@ hands each linear layer a ``LinearMethod`` (or None: that layer stays unquantize
     method.process_weights_after_loading(layer)                   repack into the kernel layout
     method.apply(layer, x, bias) -> y                             the forward
 
+``load_format="dummy"`` replaces the loading step by ``method.init_dummy_weights(layer, gen, std)``:
+seeded random tensors in the checkpoint's format, then the same processing.
+
 ``layer`` is a ``FusedLinear``: ``layer.shard_range(shard_id)`` gives a shard's
 (offset, size) in output features, ``layer.shard_ids`` the shard names.
 """
@@ -39,6 +42,11 @@ class LinearMethod(ABC):
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``y = x @ W.T + bias`` for ``x`` [T, in_features] -> [T, sum(out_sizes)] in x's dtype."""
+
+    def init_dummy_weights(self, layer: nn.Module, gen: torch.Generator, std: float) -> None:
+        """Fills the parameters ``create_weights`` registered with random values a checkpoint could
+        hold (dequantized weights of about standard deviation ``std``), for ``load_format="dummy"``."""
+        raise NotImplementedError(f"{type(self).__name__} has no dummy weights")
 
 
 class QuantizationConfig(ABC):

@@ -39,8 +39,13 @@ from paged_backend.quantization.fp8 import Fp8LinearMethod
 from paged_backend.quantization.int4 import (
     Int4LinearMethod,
     check_int4_config,
+    dummy_g_idx,
+    dummy_scales,
+    first_input_row,
     group_offset,
+    int4_word,
     local_groups,
+    random_int32,
     shared_g_idx,
     unpack_int32_cols,
 )
@@ -173,6 +178,24 @@ class PackedInt4LinearMethod(Int4LinearMethod):
                         in_pack=self.group_size)
         if self.has_g_idx:
             quant_param(layer, "weight_g_idx", (s, k), torch.int32, out_dim=None, in_dim=0)
+
+    def init_dummy_weights(self, layer: nn.Module, gen: torch.Generator, std: float) -> None:
+        """Random nibbles, zero point 0 (stored + 8), positive scales, the checkpoint's weight_shape."""
+        dev = layer.weight_packed.device
+        layer.weight_packed.data.copy_(random_int32(layer.weight_packed.shape, gen, dev))
+        layer.weight_scale.data.copy_(dummy_scales(layer.weight_scale.shape, gen, dev, std))
+        spec = getattr(layer, "tp_spec", None)
+        if spec is not None and spec.kind == "column":  # a column rank checks only that its rows exist
+            rows = [sum(spec.out_ranges[i]) for i in (layer.shard_ids or (None,))]
+        else:
+            rows = list(self.out_sizes)
+        layer.weight_shape.data.copy_(torch.tensor([[r, self.in_total] for r in rows], device=dev))
+        if not self.symmetric:
+            layer.weight_zero_point.data.fill_(int4_word(8))
+        if self.has_g_idx:
+            k = layer.weight_g_idx.shape[1]
+            g_idx = dummy_g_idx(k, first_input_row(layer), self.group_size, True, gen, dev)
+            layer.weight_g_idx.data.copy_(g_idx.expand_as(layer.weight_g_idx))
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
         # the checkpoint's full (N, K); a column-parallel rank holds only part of each shard's N

@@ -19,6 +19,8 @@ from paged_backend.quantization.base import LinearMethod, is_row_parallel, tp_wo
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
 KERNELS = ("auto", "torch", "triton")
+# RMS of (q - 8) for q uniform in 0..15: sqrt(mean of v^2 for v in -8..7) = sqrt(21.5)
+_INT4_RMS = 21.5**0.5
 
 
 def check_int4_config(method: str, bits: object, group_size: object) -> int:
@@ -112,6 +114,14 @@ class Int4LinearMethod(LinearMethod):
         layer.register_buffer("w4_scales", scales.to(torch.float32).contiguous())
         layer.register_buffer("w4_zeros", zeros.to(torch.uint8).contiguous())
         layer.register_buffer("w4_perm", perm)
+        self._check_kernel_layout(layer)
+
+    def _check_kernel_layout(self, layer: nn.Module) -> None:
+        """On CUDA the forward launches without per-call checks: validate the buffers once here."""
+        if layer.w4_qweight.is_cuda:
+            from paged_backend.kernels.int4_gemm import check_int4_weights
+
+            check_int4_weights(layer.w4_qweight, layer.w4_scales, layer.w4_zeros, self.group_size, layer.w4_perm)
 
     def finalize_sparse_groups(
         self,
@@ -144,6 +154,7 @@ class Int4LinearMethod(LinearMethod):
         layer.register_buffer("w4_zeros", zeros[used].to(torch.uint8).contiguous())
         layer.register_buffer("w4_perm", None)
         layer.register_buffer("w4_gather", gather)
+        self._check_kernel_layout(layer)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         lead, k = x.shape[:-1], x.shape[-1]
@@ -155,10 +166,51 @@ class Int4LinearMethod(LinearMethod):
         if self.kernel == "triton" or (self.kernel == "auto" and x.is_cuda):
             from paged_backend.kernels.int4_gemm import int4_gemm
 
-            y = int4_gemm(x2.contiguous(), *args)
+            y = int4_gemm(x2.contiguous(), *args, check=False)
         else:
             y = int4_gemm_ref(x2, *args)
         return y.reshape(*lead, y.shape[-1])
+
+
+
+def random_int32(shape: Sequence[int], gen: torch.Generator, device: torch.device) -> torch.Tensor:
+    """Uniformly random int32 words (every nibble uniform in 0..15): random packed int4 weights."""
+    n = 1
+    for d in shape:
+        n *= d
+    raw = torch.randint(0, 256, (n * 4,), dtype=torch.uint8, generator=gen, device=device)
+    return raw.view(torch.int32).reshape(*shape)
+
+
+def int4_word(nibble: int, bits: int = 4) -> int:
+    """The signed int32 whose ``bits``-wide fields all equal ``nibble`` (e.g. packed zero points)."""
+    word = sum(nibble << (bits * i) for i in range(32 // bits))
+    return word - (1 << 32) if word >= 1 << 31 else word
+
+
+def dummy_scales(shape: Sequence[int], gen: torch.Generator, device: torch.device, std: float,
+                 rms: float = _INT4_RMS) -> torch.Tensor:
+    """Positive group scales around ``std / rms``, ``rms`` = that of (q - zero) for random codes
+    and a centred zero point (int4: sqrt(21.5)), so the dequantized weights have about the dense
+    dummy's standard deviation ``std``."""
+    jitter = torch.rand(*shape, generator=gen, device=device) * 0.5 + 0.75
+    return jitter * (std / rms)
+
+
+def dummy_g_idx(k: int, first_row: int, group_size: int, act_order: bool, gen: torch.Generator,
+                device: torch.device) -> torch.Tensor:
+    """The checkpoint group of each of this rank's ``k`` input rows (global rows from ``first_row``):
+    contiguous groups, shuffled when ``act_order`` (each group still used at most group_size times)."""
+    rows = torch.arange(first_row, first_row + k, device=device)
+    g = torch.zeros_like(rows) if group_size == -1 else rows // group_size
+    if act_order:
+        g = g[torch.randperm(k, generator=gen, device=device)]
+    return g.to(torch.int32)
+
+
+def first_input_row(layer: nn.Module) -> int:
+    """Global index of this rank's first input feature (0 unless row-parallel)."""
+    return layer.tp_spec.in_range[0] if is_row_parallel(layer) else 0
 
 
 def shared_g_idx(g_idx: torch.Tensor, prefix: str, what: str) -> torch.Tensor:

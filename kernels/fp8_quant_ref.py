@@ -1,0 +1,41 @@
+"""Reference FP8 (e4m3) activation quantization for ``torch._scaled_mm`` (also the CPU path).
+
+    dynamic per token:   scale[m] = max(amax(|x[m, :]|), 1e-12) / 448     -> scale [M, 1]
+    dynamic per tensor:  scale    = max(amax(|x|), 1e-12) / 448           -> scale [1]
+    static:              scale given ([1] per tensor, or [M, 1] per row)
+    q = saturate(x / scale) rounded to e4m3 (nearest even);  x ~= q * scale
+
+The division (not a multiplication by 1/scale) and the clamp before the cast are what
+``quantization/fp8.py``'s fake quantization does, so both give the same e4m3 values.
+"""
+
+from __future__ import annotations
+
+import torch
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = torch.finfo(FP8_DTYPE).max  # 448
+MIN_AMAX = 1e-12  # all-zero rows get a tiny positive scale (q = 0), never a division by zero
+
+
+def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
+    """float32 scale that maps ``amax`` onto the largest e4m3 value."""
+    return amax.float().clamp_min(MIN_AMAX) / FP8_MAX
+
+
+def quantize_fp8_ref(
+    x: torch.Tensor,  # [M, K] float
+    scale: torch.Tensor | None = None,  # [1] or [M, 1] float32; None: dynamic
+    per_token: bool = True,  # dynamic only: one scale per row (else one for the tensor)
+) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [M, K], float32 scale [M, 1] or [1])
+    """Quantizes ``x`` to e4m3 with the given or a dynamic scale; returns the values and the scale."""
+    if scale is None:
+        amax = x.abs().amax(dim=-1, keepdim=True) if per_token else x.abs().amax().reshape(1)
+        scale = fp8_scale_from_amax(amax)
+    q = (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.to(torch.float32)
+
+
+def dequantize_fp8_ref(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``q * scale`` in float32, rounded once to ``dtype``."""
+    return (q.float() * scale).to(dtype)
