@@ -60,8 +60,6 @@ class StepInputBuilder:
         self.ids_np, self.pos_np, self.slots_np = self._h_ids.numpy(), self._h_pos.numpy(), self._h_slots.numpy()
         self.seq_lens_np, self.qsl_np, self.table_np = (
             self._h_seq_lens.numpy(), self._h_qsl.numpy(), self._h_table.numpy())
-        self.starts_np = np.zeros(max_seqs, dtype=np.int64)
-        self.qlens_np = np.zeros(max_seqs, dtype=np.int64)
         if pin:
             self.ids, self.pos, self.slots, self.seq_lens, self.qsl, self.table = (
                 torch.zeros_like(t, device=device) for t in
@@ -78,29 +76,25 @@ class StepInputBuilder:
         """Fills the buffers; ``pad_to`` rounds a decode-only batch up to a captured graph's size."""
         scheduled = sched.scheduled
         s_count = len(scheduled)
-        ids, table = self.ids_np, self.table_np
-        starts, qlens = self.starts_np, self.qlens_np
-        t = 0
-        max_blocks = 1
+        toks: list[int] = []
+        starts: list[int] = []
+        qlens: list[int] = []
+        nbs: list[int] = []
+        flat_blocks: list[int] = []
         sample_ids: list[str] = []
         sample_rows: list[int] = []
         prompt_spans: list[tuple[str, int, int, int]] = []
-        for i, s in enumerate(scheduled):
+        t = 0
+        for s in scheduled:  # one pass of list appends; numpy takes the lists in one go each
             n = s.num_new_tokens
             start = s.start_pos
-            toks = s.token_ids
-            if n == 1:
-                ids[t] = toks[0]
-            else:
-                ids[t : t + n] = toks
-            starts[i] = start
-            qlens[i] = n
-            blocks = s.block_ids
-            nb = len(blocks)
-            table[i, :nb] = blocks
-            if nb > max_blocks:
-                max_blocks = nb
             req = s.request
+            toks += s.token_ids
+            starts.append(start)
+            qlens.append(n)
+            blocks = s.block_ids
+            nbs.append(len(blocks))
+            flat_blocks += blocks
             if req.sampling_params.prompt_logprobs is not None:
                 count = min(start + n, req.num_prompt_tokens - 1) - start
                 if count > 0:
@@ -111,7 +105,16 @@ class StepInputBuilder:
                 sample_rows.append(t - 1)
         num_tokens = t
         decode_only = num_tokens == s_count
-        st, ql = starts[:s_count], qlens[:s_count]
+        ids, table = self.ids_np, self.table_np
+        ids[:num_tokens] = toks
+        st = np.asarray(starts, dtype=np.int64)
+        ql = np.asarray(qlens, dtype=np.int64)
+        nb = np.asarray(nbs, dtype=np.int64)
+        max_blocks = int(nb.max()) if s_count else 1
+        # block ids into their rows: row r gets columns 0..nb[r]-1
+        rows_of = np.repeat(np.arange(s_count), nb)
+        col_of = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(nb) - nb, nb)
+        table[rows_of, col_of] = flat_blocks
         seq_lens = self.seq_lens_np
         seq_lens[:s_count] = st + ql
         qsl = self.qsl_np
@@ -125,11 +128,9 @@ class StepInputBuilder:
         else:
             seq_idx = np.repeat(np.arange(s_count), ql)
             pos[:num_tokens] = np.arange(num_tokens) + np.repeat(st - qsl[:s_count], ql)
-            # a 1-token step of a long prompt and a decode row look alike; only all-ones is decode
         p = pos[:num_tokens]
         self.slots_np[:num_tokens] = table[seq_idx, p // bs].astype(np.int64) * bs + p % bs
         seq_lens_cpu = seq_lens[:s_count].tolist()
-        qlens_cpu = ql.tolist()
         max_seq_len = max(seq_lens_cpu, default=1)
 
         n_seqs = n_tok = s_count if decode_only else None
@@ -150,11 +151,11 @@ class StepInputBuilder:
             block_tables=dev_table,
             seq_lens=self.seq_lens[:n_seqs],
             query_start_loc=self.qsl[: n_seqs + 1],
-            max_query_len=int(ql.max()) if s_count else 1,
+            max_query_len=max(qlens, default=1),
             max_seq_len=max_seq_len if max_seq_len_bound is None else max_seq_len_bound,
             block_size=bs,
             seq_lens_cpu=seq_lens_cpu,
-            query_lens_cpu=qlens_cpu,
+            query_lens_cpu=qlens,
             sliding_window=sliding_window,
         )
         return StepInputs(self.ids[:n_tok], self.pos[:n_tok], meta, num_tokens, s_count, decode_only,
