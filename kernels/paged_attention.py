@@ -16,7 +16,8 @@ GQA of any ratio reads each K/V tile once for all its heads::
             tiles start at qsl[i] // BLOCK_Q + i (found by binary search; spare programs
             exit); with <= 1 new token per request (DECODE_ONLY) the q tile is the request
     axis 1: context split (flash decoding: few long requests still fill the GPU;
-            partial (acc, max, sum) per split, merged by _reduce_splits_kernel)
+            partial (acc, max, sum) per split, merged by _reduce_splits_kernel, or with
+            fused_merge by the split program that finishes last)
 
     positions  0 ......... full_hi*TILE_N ....... q_first ... q_last
                [ tiles seen whole by every row ][ causal tiles, masked ]
@@ -25,10 +26,24 @@ Each KV tile of TILE_N positions gathers its rows from their pages (block id per
 int64 offsets). FP8 caches are dequantized in the kernel: e4m3 converts exactly to fp16
 (the dot operand type then; q is pre-scaled by the softmax scale to stay in fp16 range),
 K's scale folds into the score scale, V's into the output.
+
+Variants (``AttentionConfig`` fields; the defaults are the measured baseline, the others
+are candidates the H200 sweep in ``bench_kernels --variants`` times against it)::
+
+    q_fold        0: scores scaled per tile; 1: softmax scale * log2(e) folded into q in the
+                  kernel; 2: folded by the launcher (one elementwise op; q then feeds the MMA as loaded)
+    lazy_rescale  rescale the output accumulator only when a row's max grows by > 2^8
+    offsets32     int32 K/V offsets when the cache is small enough (the launcher checks; else int64)
+    v_early       fp8: upcast V in the load layout and stage fp16 for the MMA (otherwise the
+                  compiler reads 8-bit V from shared memory byte by byte, then upcasts)
+    fused_merge   context splits merged by the last split program to finish (atomic counter
+                  per (q tile, KV head)) instead of a second kernel launch
+    maxnreg       > 0: register cap per thread, so more programs fit on an SM
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -49,10 +64,13 @@ LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)
 
 
+LAZY_TAU = tl.constexpr(8.0)  # lazy rescale: a row's reference max moves only when it grows by > 2^8
+
+
 @triton.jit
 def _attend_tiles(
     acc,  # [BLOCK_M, D_PAD] float32
-    m_i,  # [BLOCK_M] float32, running max (log2 domain)
+    m_i,  # [BLOCK_M] float32, running (reference) max, log2 domain
     l_i,  # [BLOCK_M] float32, running sum
     q,  # [BLOCK_M, D_PAD] DOT_DTYPE
     k_base,  # pointer to this KV head in K cache [NB, BS, Hkv, D]
@@ -61,7 +79,7 @@ def _attend_tiles(
     qpos,  # [BLOCK_M] int32, position of each row's query
     seq_len,
     window,
-    qk_scale,  # score scale, log2 domain: softmax scale * log2(e), or k_scale * log2(e) (q pre-scaled)
+    qk_scale,  # score scale, log2 domain, applied per tile when SCALE_S (else q carries it)
     tile_lo,
     tile_hi,
     stride_kb,
@@ -76,6 +94,10 @@ def _attend_tiles(
     D_PAD: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    SCALE_S: tl.constexpr,
+    LAZY: tl.constexpr,
+    OFF32: tl.constexpr,
+    V_EARLY: tl.constexpr,
 ):
     """Online-softmax over KV tiles [tile_lo, tile_hi); MASK applies causal/length/window masks."""
     offs_n = tl.arange(0, TILE_N)
@@ -85,11 +107,14 @@ def _attend_tiles(
         kpos = j * TILE_N + offs_n  # [TILE_N]
         kmask = kpos < seq_len
         if MASK:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0).to(tl.int64)
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0)
         else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE).to(tl.int64)
-        in_blk = (kpos % BLOCK_SIZE).to(tl.int64)
-        k_off = blk * stride_kb + in_blk * stride_ks  # [TILE_N] int64
+            blk = tl.load(bt_row + kpos // BLOCK_SIZE)
+        in_blk = kpos % BLOCK_SIZE
+        if not OFF32:  # int64 unless the launcher proved every offset in this cache fits in int32
+            blk = blk.to(tl.int64)
+            in_blk = in_blk.to(tl.int64)
+        k_off = blk * stride_kb + in_blk * stride_ks  # [TILE_N]
         v_off = blk * stride_vb + in_blk * stride_vs
         k_ptrs = k_base + k_off[None, :] + offs_d[:, None]  # [D_PAD, TILE_N]
         if MASK:
@@ -98,13 +123,20 @@ def _attend_tiles(
             k = tl.load(k_ptrs, mask=dmask[:, None], other=0.0)
         else:
             k = tl.load(k_ptrs)
-        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION) * qk_scale  # [BLOCK_M, TILE_N]
+        s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_M, TILE_N]
+        if SCALE_S:
+            s = s * qk_scale
         if MASK:
             keep = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
             if SLIDING:
                 keep = keep & (kpos[None, :] > qpos[:, None] - window)
             s = tl.where(keep, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_tile = tl.max(s, axis=1)
+        if LAZY:  # p stays <= 2^LAZY_TAU; the accumulator is rescaled only on the tiles where a max jumps
+            grow = m_tile > m_i + LAZY_TAU
+            m_new = tl.where(grow, m_tile, m_i)
+        else:
+            m_new = tl.maximum(m_i, m_tile)
         m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
         p = tl.math.exp2(s - m_use[:, None])
         alpha = tl.math.exp2(m_i - m_use)
@@ -116,7 +148,18 @@ def _attend_tiles(
             v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=PRECISION)
+        if V_EARLY:
+            # Upcast in the load layout, then stage 16-bit values for the MMA's transposed read.
+            # The split/join (a no-op on values) keeps the compiler from moving the upcast after
+            # the shared-memory read, where 8-bit V is gathered byte by byte.
+            va, vb = tl.split(tl.reshape(v.to(DOT_DTYPE), [TILE_N, D_PAD // 2, 2]))
+            v = tl.reshape(tl.join(va, vb), [TILE_N, D_PAD])
+        if LAZY:
+            if tl.max(grow.to(tl.int32), axis=0) > 0:
+                acc = acc * alpha[:, None]
+            acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        else:
+            acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -134,6 +177,8 @@ def _paged_attention_kernel(
     qsl_ptr,  # int32 [num_seqs + 1]
     k_scale_ptr,  # float32 [1]
     v_scale_ptr,  # float32 [1]
+    sem_ptr,  # int32 [>= grid axis 0] zeros: split arrival counters (FUSED_MERGE only)
+    final_ptr,  # [T, H, D] the output, written by the merging program (FUSED_MERGE only)
     sm_scale,  # softmax scale
     num_kv_heads,
     num_seqs,
@@ -153,6 +198,8 @@ def _paged_attention_kernel(
     stride_mt,  # token stride of m/l (SPLIT only)
     stride_ms,  # split stride of m/l (SPLIT only)
     stride_bt,
+    stride_ft,  # token / head strides of final_ptr (FUSED_MERGE only)
+    stride_fh,
     G: tl.constexpr,  # query heads per KV head
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # BLOCK_M // G query tokens per tile
@@ -166,6 +213,11 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,  # every request has <= 1 new token: no search, grid axis 0 = requests
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
+    Q_FOLD: tl.constexpr = 0,  # 0: scores scaled per tile; 1: scale folded into q here; 2: by the launcher
+    LAZY: tl.constexpr = False,
+    OFF32: tl.constexpr = False,  # int32 K/V offsets (the launcher checked the cache's extent)
+    V_EARLY: tl.constexpr = False,
+    FUSED_MERGE: tl.constexpr = False,
 ):
     kvh = tl.program_id(0) % num_kv_heads  # heads fastest: one q tile's heads run side by side
     pid = tl.num_programs(0) // num_kv_heads - 1 - tl.program_id(0) // num_kv_heads  # last q tiles first
@@ -205,13 +257,22 @@ def _paged_attention_kernel(
     dmask = offs_d < HEAD_DIM
     t_idx = (q_start + tok).to(tl.int64)
     q_off = t_idx[:, None] * stride_qt + head[:, None].to(tl.int64) * stride_qh + offs_d[None, :]
-    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0).to(tl.float32)
-    if FP8:  # fp16 operands (e4m3 converts to fp16 exactly and cheaply); q pre-scaled keeps it in range
-        q = (q * sm_scale).to(DOT_DTYPE)
-        scale = LOG2E_C * tl.load(k_scale_ptr)
-    else:
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & dmask[None, :], other=0.0)
+    # fp8: fp16 operands (e4m3 converts to fp16 exactly and cheaply); q pre-scaled keeps it in range
+    if Q_FOLD == 0:
+        q = q.to(tl.float32)
+        if FP8:
+            q = (q * sm_scale).to(DOT_DTYPE)
+            scale = LOG2E_C * tl.load(k_scale_ptr)
+        else:
+            q = q.to(DOT_DTYPE)
+            scale = sm_scale * LOG2E_C
+    else:  # q carries softmax scale * log2(e): scores come out of the dot in the log2 domain
+        if Q_FOLD == 1:
+            q = q.to(tl.float32) * (sm_scale * LOG2E_C)
         q = q.to(DOT_DTYPE)
-        scale = sm_scale * LOG2E_C
+        scale = tl.load(k_scale_ptr) if FP8 else 1.0
+    SCALE_S: tl.constexpr = FP8 or Q_FOLD == 0
 
     # KV positions this tile needs: [kv_lo, q_last], tiles of TILE_N.
     q_first = ctx + q_tile * BLOCK_Q
@@ -240,12 +301,14 @@ def _paged_attention_kernel(
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, t0, full_hi,
         stride_kb, stride_ks, stride_vb, stride_vs,
-        False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION,
+        False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, LAZY,
+        OFF32, V_EARLY,
     )  # fmt: skip
     acc, m_i, l_i = _attend_tiles(
         acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, full_hi, t1,
         stride_kb, stride_ks, stride_vb, stride_vs,
-        True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION,
+        True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, LAZY,
+        OFF32, V_EARLY,
     )  # fmt: skip
 
     if FP8:
@@ -257,6 +320,35 @@ def _paged_attention_kernel(
         ml_off = split.to(tl.int64) * stride_ms + t_idx * stride_mt + head
         tl.store(m_ptr + ml_off, m_i, mask=row_ok)
         tl.store(l_ptr + ml_off, l_i, mask=row_ok)
+        if FUSED_MERGE:  # the last split to arrive merges all of them (no second launch)
+            tl.debug_barrier()  # every thread's partial stores precede the release below
+            counter = sem_ptr + tl.program_id(0)
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")  # one thread; result broadcast
+            if arrived == num_splits - 1:
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call
+                m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+                l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
+                o_acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+                p_ptrs = out_ptr + o_off  # split 0; pointers step by the split strides (64-bit)
+                m_ptrs = m_ptr + (t_idx * stride_mt + head)
+                l_ptrs = l_ptr + (t_idx * stride_mt + head)
+                for _ in range(num_splits):  # .cg: other SMs wrote these, skip L1
+                    m_s = tl.load(m_ptrs, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+                    l_s = tl.load(l_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
+                    part = tl.load(p_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
+                    p_ptrs += stride_os
+                    m_ptrs += stride_ms
+                    l_ptrs += stride_ms
+                    m_nx = tl.maximum(m_run, m_s)
+                    m_u = tl.where(m_nx == float("-inf"), 0.0, m_nx)  # empty splits weigh exp2(-inf) = 0
+                    a = tl.math.exp2(m_run - m_u)
+                    b = tl.math.exp2(m_s - m_u)
+                    o_acc = o_acc * a[:, None] + part * b[:, None]
+                    l_run = l_run * a + l_s * b
+                    m_run = m_nx
+                o = o_acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
+                f_off = t_idx[:, None] * stride_ft + head[:, None].to(tl.int64) * stride_fh + offs_d[None, :]
+                tl.store(final_ptr + f_off, o.to(final_ptr.dtype.element_ty), mask=o_mask)
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -313,12 +405,21 @@ def _reduce_splits_kernel(
 
 @dataclass(frozen=True)
 class AttentionConfig:
-    """Tile shape and launch settings of one paged-attention launch."""
+    """Tile shape, launch settings and code-path variants of one paged-attention launch.
+
+    The variant fields default to the measured baseline; see the module docstring.
+    """
 
     block_m: int  # query rows per program (tokens x heads of one KV head), power of 2 >= 16
     tile_n: int  # KV positions per inner step, power of 2 >= 16
     num_warps: int
     num_stages: int
+    q_fold: int = 0  # 0 scores scaled per tile, 1 scale folded into q in the kernel, 2 by the launcher
+    lazy_rescale: bool = False
+    offsets32: bool = False  # int32 K/V offsets when every offset fits (checked per call)
+    v_early: bool = False  # fp8 caches: upcast V before its shared-memory staging
+    fused_merge: bool = False  # context splits merged in-kernel by the last split (atomic counter)
+    maxnreg: int = 0  # > 0: cap registers per thread (more programs per SM; may spill)
 
 
 SMEM_BUDGET = 224 * 1024  # bytes of shared memory a program may plan for (H200: 227 KB)
@@ -352,6 +453,25 @@ def pick_config(
 
 
 _SM_COUNT: dict[int, int] = {}
+_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
+_SEMAPHORES_OLD: list[torch.Tensor] = []  # outgrown buffers stay alive: captured CUDA graphs may use them
+
+
+def _split_semaphores(device: torch.device, n: int) -> torch.Tensor | None:
+    """Zeroed int32 arrival counters, >= n, shared by all launches on ``device`` (the last split
+    program resets its counter, so they stay zero between calls; calls on one stream at a time).
+    None while a CUDA graph is being captured and the buffer is too small: a buffer allocated
+    inside a capture would not be zeroed until the first replay."""
+    buf = _SEMAPHORES.get(device)
+    if buf is not None and buf.numel() >= n:
+        return buf
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    if buf is not None:
+        _SEMAPHORES_OLD.append(buf)
+    buf = torch.zeros(max(1024, next_pow2(n)), dtype=torch.int32, device=device)
+    _SEMAPHORES[device] = buf
+    return buf
 
 
 def _sm_count(device: torch.device) -> int:
@@ -359,6 +479,13 @@ def _sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def _fits_int32(cache: torch.Tensor, head_dim: int) -> bool:
+    """Every in-kernel offset into one head of ``cache`` [NB, BS, Hkv, D] (block, slot and
+    dim; the head is added in 64-bit) is below 2^31."""
+    nb, bs = cache.shape[0], cache.shape[1]
+    return (nb - 1) * cache.stride(0) + (bs - 1) * cache.stride(1) + next_pow2(head_dim) < 2**31
 
 
 def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
@@ -389,6 +516,7 @@ def paged_attention(
     num_splits: int | None = None,
     config: AttentionConfig | None = None,
     out: torch.Tensor | None = None,
+    compile_only: bool = False,
 ) -> torch.Tensor:  # [T, H, D], dtype of query
     """Triton twin of ``paged_attention_ref``. Rows at or past ``query_start_loc[-1]`` are not written.
 
@@ -396,6 +524,10 @@ def paged_attention(
     device sync when omitted); they pick the tile shape (``config`` forces it), the number of
     context splits (``num_splits`` forces it) and, when ``max_query_len <= 1``, the
     decode-only grid (one program per request and KV head, no search).
+
+    ``compile_only`` compiles the kernels this call would launch and launches nothing (``out``
+    is returned unwritten); under Triton's ``AsyncCompileMode`` the compiles run on its
+    executor, which is how ``bench kernels --variants`` warms many variants in parallel.
     """
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     device = check_device(query, "query")
@@ -430,6 +562,8 @@ def paged_attention(
     cfg = config or pick_config(max_query_len, group, d, kv_cache.element_size(), query.element_size())
     if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
         raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
+    if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0:
+        raise ValueError(f"bad attention config {cfg}")
     block_q = cfg.block_m // group
     decode_only = max_query_len <= 1
     grid_q = num_seqs if decode_only else t // block_q + num_seqs
@@ -443,6 +577,10 @@ def paged_attention(
     if kc.stride(-1) != 1 or query.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("query, kv_cache and out must be contiguous in head_dim")
     split = num_splits > 1
+    sem = _split_semaphores(device, grid_q * hkv) if split and cfg.fused_merge else None
+    fused = sem is not None
+    if not fused:
+        sem = block_tables  # unused
     if split:
         part = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=device)
         m_buf = torch.empty((num_splits, t, h), dtype=torch.float32, device=device)
@@ -455,22 +593,34 @@ def paged_attention(
         m_st = m_ss = 0
     dot_dt = dot_dtype(torch.float16 if fp8 and query.dtype != torch.float32 else query.dtype)
     precision = "ieee" if query.dtype == torch.float32 or interpreting() else "tf32"
-    _paged_attention_kernel[(grid_q * hkv, num_splits)](
-        query, kc, vc, dst, m_buf, l_buf, block_tables, seq_lens, query_start_loc, ks, vs,
+    opts = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
+    off32 = cfg.offsets32 and _fits_int32(kc, d) and _fits_int32(vc, d)
+    q_in = query
+    if cfg.q_fold == 2:  # fold softmax scale (* log2 e, the kernel's exp2 domain) into q here
+        q_in = torch.mul(query, scale * LOG2E)
+    if compile_only and interpreting():
+        return out
+
+    def launch(kernel, grid):  # launch, or only compile (Triton's warmup: same specialization)
+        return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
+
+    launch(_paged_attention_kernel, (grid_q * hkv, num_splits))(
+        q_in, kc, vc, dst, m_buf, l_buf, block_tables, seq_lens, query_start_loc, ks, vs, sem, out,
         float(scale), hkv, num_seqs, num_splits, int(sliding_window or 0),
-        query.stride(0), query.stride(1),
+        q_in.stride(0), q_in.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),
         o_st, o_sh, o_ss, m_st, m_ss,
-        block_tables.stride(0),
+        block_tables.stride(0), out.stride(0), out.stride(1),
         G=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, BLOCK_SIZE=bs,
         HEAD_DIM=d, D_PAD=next_pow2(d), FP8=fp8, SLIDING=sliding_window is not None, SPLIT=split,
         DECODE_ONLY=decode_only, DOT_DTYPE=dot_dt, PRECISION=precision,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        Q_FOLD=cfg.q_fold, LAZY=cfg.lazy_rescale, OFF32=off32, V_EARLY=cfg.v_early and fp8, FUSED_MERGE=fused,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )  # fmt: skip
-    if split:
+    if split and not fused:
         block_h = next_pow2(h) if interpreting() else 1  # the interpreter pays per program
-        _reduce_splits_kernel[(t, triton.cdiv(h, block_h))](
+        launch(_reduce_splits_kernel, (t, triton.cdiv(h, block_h)))(
             part, m_buf, l_buf, out, query_start_loc, num_seqs, num_splits, h,
             part.stride(0), part.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
             HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_H=block_h, num_warps=4,

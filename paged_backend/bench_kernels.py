@@ -12,6 +12,9 @@ What is timed, and the ceiling each is held to (issue 3's minimums)::
     elementwise  cache write, RMSNorm (+residual), rotary, SiLU-and-mul at 8k tokens x 4096 hidden,
                  bytes moved / time against the copy bandwidth
 
+``--variants`` times the paged-attention code-path variants side by side instead of the
+decode / prefill grids (paged_backend/bench_attention_variants.py).
+
 Decode times are medians of CUDA-graph replays of back-to-back calls on disjoint block
 tables (~1 GB touched per replay, so L2 cannot serve reruns; no host launch overhead);
 the rest are medians of ``triton.testing.do_bench`` (L2 flushed before every run).
@@ -66,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=4096, help="elementwise kernels: hidden size")
     p.add_argument("--peak-bw", type=float, default=4.2e12, help="bandwidth the decode target is 80%% of")
     p.add_argument("--sweep", action="store_true", help="also time split counts and tile configs")
+    p.add_argument("--variants", action="store_true",
+                   help="decode/prefill: time the paged-attention code-path variants side by side instead of "
+                        "the grids (paged_backend/bench_attention_variants.py)")
+    p.add_argument("--variant-cells", default="8x4096,64x4096,1x32768,8x32768,256x32768,1x4096",
+                   help="--variants: decode cells batch x context, in priority order")
+    p.add_argument("--budget-s", type=float, default=230.0,
+                   help="--variants: seconds the variant jobs may take; later jobs/variants are skipped")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks")
     p.add_argument("--rep", type=int, default=200, help="do_bench repetition time (ms)")
     p.add_argument("--json", default=None, help="write every row here as JSON")
@@ -448,6 +458,8 @@ class Bench:
         print("\n| group | case | ms | rate | target |")
         print("| --- | --- | ---: | ---: | --- |")
         for r in self.rows:
+            if r.group.endswith("-variant"):  # --variants prints its own tables
+                continue
             flag = "" if r.ok is None else (" ok" if r.ok else " **below**")
             print(f"| {r.group} | {r.name} | {r.ms:.4f} | {r.value:.1f} {r.metric} | {r.target}{flag} |")
         if self.failures:
@@ -469,6 +481,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
     bench.ceilings()
+    if args.variants:  # the variant sweep replaces the decode / prefill grids
+        from paged_backend.bench_attention_variants import VariantSweep
+
+        VariantSweep(bench, args.budget_s).run([g for g in groups if g in ("decode", "prefill")])
+        groups = [g for g in groups if g not in ("decode", "prefill")]
     for g in ("decode", "prefill", "elementwise"):
         if g in groups:
             t0 = time.time()

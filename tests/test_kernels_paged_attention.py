@@ -6,6 +6,7 @@ everywhere (a wrong block or position changes the result) and outputs start as N
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 
 pytest.importorskip("triton")
 
+import paged_backend.kernels.paged_attention as pa  # noqa: E402
 from paged_backend.kernels.cache_write import write_kv_cache  # noqa: E402
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE, quantize_fp8  # noqa: E402
 from paged_backend.kernels.paged_attention import AttentionConfig, paged_attention  # noqa: E402
@@ -171,6 +173,113 @@ def test_tile_configs(config, block_size):
     check(out, ref, torch.float32)
 
 
+VARIANTS = {  # AttentionConfig overrides of the code-path variants (module docstring)
+    "fold_kernel": dict(q_fold=1),
+    "fold_launcher": dict(q_fold=2),
+    "lazy": dict(lazy_rescale=True),
+    "off32": dict(offsets32=True),
+    "v_early": dict(v_early=True),
+    "fused": dict(fused_merge=True),
+    "all": dict(q_fold=2, lazy_rescale=True, offsets32=True, v_early=True, fused_merge=True, maxnreg=128),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size,dtype,fp8,num_splits",
+    [
+        (9, 3, 64, 16, torch.bfloat16, False, 1),
+        (8, 2, 128, 32, torch.float32, False, 3),  # context splits: fused merge or the reduce kernel
+        (6, 2, 80, 64, torch.float16, False, 2),  # head_dim padded to 128
+        (8, 2, 64, 16, torch.bfloat16, True, 3),  # fp8 cache with scales
+    ],
+)
+def test_variants_match_reference(variant, heads, kv_heads, head_dim, block_size, dtype, fp8, num_splits):
+    """Every code-path variant computes the same attention as the reference (mixed batch)."""
+    reqs = scaled([(50, 1), (0, 17), (33, 6), (96, 1), (3, 1)])
+    q, kv, bt, sl, qsl = make_batch(reqs, heads, kv_heads, head_dim, block_size, dtype, fp8=fp8, seed=11)
+    ks = torch.tensor(0.37, device=DEVICE) if fp8 else None
+    vs = torch.tensor(1.9, device=DEVICE) if fp8 else None
+    block_m = max(16, heads // kv_heads * 4)
+    cfg = AttentionConfig(block_m=16 if block_m <= 16 else 32, tile_n=32, num_warps=4, num_stages=2,
+                          **VARIANTS[variant])
+    out, ref = run_both(q, kv, bt, sl, qsl, head_dim**-0.5, ks, vs, num_splits=num_splits, config=cfg)
+    check(out, ref, dtype)
+
+
+@pytest.mark.parametrize("window", [None, 20])
+def test_lazy_rescale_peaky_scores(window):
+    """Scores spread wide enough (log2 std ~9) that row maxima jump by more than 2^8 after the
+    first KV tile: the lazy path's rescale runs mid-sequence and is skipped on other tiles."""
+    reqs = scaled([(150, 1), (0, 40), (70, 25)])
+    q, kv, bt, sl, qsl = make_batch(reqs, 4, 2, 64, 16, torch.float32, seed=12)
+    scale = 0.4
+    # the input does what the test claims: some row's running max grows by > 8 (log2) at a later tile
+    jumps = []
+    for i in range(len(reqs)):
+        n = int(sl[i])
+        pos = torch.arange(n)
+        keys = kv[0][bt[i, pos // 16].long().cpu(), pos % 16].float().cpu()  # [n, Hkv, D]
+        rows = q[int(qsl[i]) : int(qsl[i + 1])].float().cpu()  # [Q, H, D]
+        s = torch.einsum("qhd,nhd->qhn", rows, keys.repeat_interleave(2, dim=1)) * scale * 1.4427
+        tile_max = s[..., : n // 16 * 16].unflatten(-1, (-1, 16)).amax(-1)  # [Q, H, tiles]
+        jumps.append((tile_max[..., 1:] - tile_max[..., :1].expand_as(tile_max[..., 1:])).flatten())
+    jumps = torch.cat(jumps)
+    assert (jumps > 8).any() and (jumps <= 8).any()
+    for lazy in (False, True):
+        cfg = AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2, lazy_rescale=lazy)
+        out, ref = run_both(q, kv, bt, sl, qsl, scale, window=window, num_splits=1, config=cfg)
+        check(out, ref, torch.float32)
+
+
+def test_fused_merge_counters_reset():
+    """The last split program resets its arrival counter: back-to-back calls with other split
+    counts and grids still merge correctly, and the counters end at zero."""
+    reqs = scaled([(300, 1), (2, 1), (130, 1), (0, 9)])
+    q, kv, bt, sl, qsl = make_batch(reqs, 6, 2, 64, 16, torch.bfloat16, seed=13)
+    cfg = AttentionConfig(block_m=16, tile_n=32, num_warps=4, num_stages=2, fused_merge=True)
+    for num_splits in (4, 2, 7, 4):
+        out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=num_splits, config=cfg)
+        check(out, ref, torch.bfloat16)
+    sem = pa._SEMAPHORES[q.device]
+    assert sem.numel() >= 4 * 2 and int(sem.abs().sum()) == 0
+
+
+def test_offsets32_only_when_they_fit():
+    """int32 offsets are used only when every offset into the cache is below 2^31."""
+    small = torch.empty((2, 1000, 16, 8, 128), device="meta")
+    assert pa._fits_int32(small[0], 128) and pa._fits_int32(small[1], 128)
+    # head 0's last element: (nb - 1) * 16384 + 15 * 1024 + 127 (the head offset is added in 64-bit)
+    nb = 2**31 // (16 * 8 * 128)
+    assert pa._fits_int32(torch.empty((2, nb, 16, 8, 128), device="meta")[0], 128) is True
+    assert pa._fits_int32(torch.empty((2, nb + 1, 16, 8, 128), device="meta")[0], 128) is False
+
+
+def test_bench_variants_are_valid_configs():
+    """Every variant `bench kernels --variants` times names real AttentionConfig fields and passes
+    the launcher's checks (a typo would only surface on the GPU run)."""
+    from paged_backend.bench_attention_variants import DECODE_VARIANTS, PREFILL_VARIANTS, parse_cells
+
+    for variants in (DECODE_VARIANTS, PREFILL_VARIANTS):
+        names = [v.name for v in variants]
+        assert names[0] == "default" and len(set(names)) == len(names)
+    assert parse_cells("8x4096, 1x32768") == [(8, 4096), (1, 32768)]
+    q, kv, bt, sl, qsl = make_batch([(20, 1), (0, 5)], 8, 2, 64, 16, torch.bfloat16, seed=15)
+    for variants, mql in ((DECODE_VARIANTS, 1), (PREFILL_VARIANTS, 64)):
+        for v in variants:
+            cfg = dataclasses.replace(pa.pick_config(mql, 4, 64), **v.cfg)
+            assert v.splits in ("auto", "x2", "/2")
+            if not CUDA:  # the launcher's checks pass (on CUDA this would compile ~30 kernels)
+                paged_attention(q, kv, bt, sl, qsl, 0.125, config=cfg, compile_only=True)
+
+
+def test_compile_only_launches_nothing():
+    q, kv, bt, sl, qsl = make_batch([(20, 1), (0, 5)], 4, 2, 64, 16, torch.float32, seed=14)
+    out = torch.full_like(q, float("nan"))
+    got = paged_attention(q, kv, bt, sl, qsl, 0.125, out=out, compile_only=True)
+    assert got is out and out.isnan().all()
+
+
 def test_single_token_and_empty():
     q, kv, bt, sl, qsl = make_batch([(0, 1)], 4, 2, 64, 16, torch.bfloat16, seed=5)
     out, ref = run_both(q, kv, bt, sl, qsl, 0.125)
@@ -227,8 +336,9 @@ def _big_cache(path: str, num_blocks: int, shape_tail: tuple[int, ...], dtype: t
     return raw.view(dtype).view(2, num_blocks, *shape_tail)
 
 
+@pytest.mark.parametrize("offsets32", [False, True])  # True: the launcher must still pick int64 here
 @pytest.mark.parametrize("dtype", [torch.bfloat16, FP8_DTYPE])
-def test_int64_offsets_large_cache(tmp_path, dtype):
+def test_int64_offsets_large_cache(tmp_path, dtype, offsets32):
     """Block ids past 131072 in a cache of 2^32+ elements: int32 offsets would wrap."""
     block_size, kv_heads, head_dim = 64, 2, 128  # block stride 16384 elements
     num_blocks = 140_000  # K offsets of blocks >= 131072 exceed 2^31, V offsets even earlier
@@ -256,7 +366,11 @@ def test_int64_offsets_large_cache(tmp_path, dtype):
             assert torch.equal(cache[0, blk, off].float(), k[i].float())
             assert torch.equal(cache[1, blk, off].float(), v[i].float())
     out = torch.full_like(q, float("nan"))
-    paged_attention(q, cache, bt, sl, qsl, head_dim**-0.5, one, one, out=out)
+    assert not pa._fits_int32(cache[0], head_dim)
+    cfg = None
+    if offsets32:  # decode-shaped tiles, as pick_config would choose, plus the int32-offset request
+        cfg = dataclasses.replace(pa.pick_config(40, 4, head_dim, cache.element_size()), offsets32=True)
+    paged_attention(q, cache, bt, sl, qsl, head_dim**-0.5, one, one, out=out, config=cfg)
     # reference on a compact copy of the used blocks
     small = torch.stack([cache[:, i] for i in ids], dim=1).cpu()
     small = torch.cat([torch.zeros_like(small[:, :1]), small], dim=1)
