@@ -27,8 +27,10 @@ int64 offsets). FP8 caches are dequantized in the kernel: e4m3 converts exactly 
 (the dot operand type then; q is pre-scaled by the softmax scale to stay in fp16 range),
 K's scale folds into the score scale, V's into the output.
 
-Variants (``AttentionConfig`` fields; the defaults are the measured baseline, the others
-are candidates the H200 sweep in ``bench_kernels --variants`` times against it)::
+Variants (``AttentionConfig`` fields, all off in the baseline config; ``pick_config`` turns
+on the ones the H200 sweep in ``bench_kernels --variants`` measured faster, per regime:
+decode with a 16-bit cache and many programs gets fused_merge + offsets32, prefill gets
+q_fold 2 + offsets32 + 5 stages; lazy_rescale and v_early lost everywhere they were timed)::
 
     q_fold        0: scores scaled per tile; 1: softmax scale * log2(e) folded into q in the
                   kernel; 2: folded by the launcher (one elementwise op; q then feeds the MMA as loaded)
@@ -407,7 +409,8 @@ def _reduce_splits_kernel(
 class AttentionConfig:
     """Tile shape, launch settings and code-path variants of one paged-attention launch.
 
-    The variant fields default to the measured baseline; see the module docstring.
+    The variant fields default to the untuned baseline; ``pick_config`` turns on the ones the
+    H200 sweep measured faster, per regime (see there and the module docstring).
     """
 
     block_m: int  # query rows per program (tokens x heads of one KV head), power of 2 >= 16
@@ -422,50 +425,121 @@ class AttentionConfig:
     maxnreg: int = 0  # > 0: cap registers per thread (more programs per SM; may spill)
 
 
-SMEM_BUDGET = 224 * 1024  # bytes of shared memory a program may plan for (H200: 227 KB)
+SMEM_BUDGET = 227 * 1024  # shared memory one program may use: the H200's per-block opt-in maximum, 232,448 B
+FUSED_MIN_PROGRAMS = 64  # decode: fused merge + int32 offsets from this many (request, KV head) programs
+LONG_PREFILL = 4096  # prefill: KV extent past which 128-position KV tiles beat 32-position ones
+
+
+def smem_bytes(block_m: int, tile_n: int, stages: int, head_dim: int, kv_elem: int = 2, q_elem: int = 2) -> int:
+    """Shared memory the attention kernel's main loop allocates under Triton 3.6 (upper estimate).
+
+    16-bit dot operands: the K/V loads of a tile depend on the block ids loaded for that same
+    tile, so the pipeliner issues them one stage later than the index load: ``stages - 2``
+    buffers each of K and V (at least one), ``stages - 1`` of the int32 block ids, plus the q
+    tile, and one 16-bit copy each of K and V when an fp8 cache is converted for the MMA.
+    It gives the 231,424 B that Triton reported compiling 128/128, 8 warps, 5 stages, bf16,
+    head_dim 128 for the H200 (budget 232,448 B).
+    fp32 queries (FMA dots, operands converted through shared memory) keep the older, fully
+    buffered estimate that the fp32 tests on the H200 were run against.
+    """
+    d_pad = next_pow2(head_dim)
+    q_tile = block_m * d_pad * q_elem
+    if q_elem != 2:
+        return stages * 2 * tile_n * d_pad * kv_elem + q_tile
+    kv = max(stages - 2, 1) * 2 * tile_n * d_pad * kv_elem
+    converted = 2 * tile_n * d_pad * 2 if kv_elem != 2 else 0
+    return kv + converted + (stages - 1) * tile_n * 4 + q_tile
 
 
 def pick_config(
-    max_query_len: int, group: int, head_dim: int, kv_elem: int = 2, q_elem: int = 2
+    max_query_len: int,
+    group: int,
+    head_dim: int,
+    kv_elem: int = 2,
+    q_elem: int = 2,
+    *,
+    num_seqs: int = 1,
+    num_kv_heads: int = 1,
+    max_seq_len: int | None = None,
+    smem_budget: int = SMEM_BUDGET,
+    baseline: bool = False,
 ) -> AttentionConfig:
     """Decode-shaped steps get small query tiles (memory bound); prefill big ones (matmul bound).
 
-    From H200 sweeps (docs/BENCHMARKS.md): 128-position KV tiles, 3 stages, shrunk until
-    the pipelined K/V tiles (``kv_elem`` bytes each) and the q tile fit in shared memory.
+    Winners of the H200 variant sweep (docs/BENCHMARKS.md, "Variant sweep"; 32/8 heads,
+    head_dim 128, bf16 unless said), per regime:
+
+    - decode, 16-bit cache, >= ``FUSED_MIN_PROGRAMS`` (request, KV head) programs (batch >= 8
+      there): in-kernel split merge + int32 offsets, 3.3-3.5% faster at batch 8 (4 splits),
+      equal at batch 64/256 (1 split). The gain is the offsets' (the merge alone was 0.5-0.7%
+      slower; int32 offsets without it were not timed on decode). With fewer programs (batch
+      1: 16-33 splits merged serially by 8 programs) merge + offsets were 7% slower (the merge
+      alone 11-14%), so the baseline stays. fp8 caches: the baseline won or tied every cell.
+    - prefill, 16-bit q: 5 stages, softmax scale folded into q by the launcher, int32 offsets;
+      KV tiles of 128 positions past ``LONG_PREFILL`` (8k: 1.22x the baseline), else 32
+      positions with a 128-register cap (2 programs per SM; 2k: 1.18x). Other dtypes keep
+      the baseline tile shape, with the same code-path flags.
+
+    ``baseline``: the untuned configuration (128-position tiles, 3 stages, all variant flags
+    off) that ``bench kernels --variants`` times the variants against. Stages, then the KV
+    tile, shrink until ``smem_bytes`` fits ``smem_budget``. int32 offsets are a request: the
+    launcher falls back to int64 when the cache is too large.
     """
     d_pad = next_pow2(head_dim)
+    extra: dict = {}
+    sixteen = kv_elem == 2 and q_elem == 2
     if max_query_len * group <= 16:
         block_m, tile_n, warps, stages = max(16, next_pow2(group)), 128, 4, 3
+        if not baseline and sixteen and num_seqs * num_kv_heads >= FUSED_MIN_PROGRAMS:
+            extra = {"fused_merge": True, "offsets32": True}
     elif d_pad <= 128:
         block_m, tile_n, warps, stages = max(128, next_pow2(group)), 128, 8, 3
+        if not baseline:
+            extra = {"q_fold": 2, "offsets32": True}
+            if q_elem == 2:
+                stages = 5
+                if max(max_seq_len or 0, max_query_len) <= LONG_PREFILL:
+                    tile_n, extra["maxnreg"] = 32, 128
     else:
         block_m, tile_n, warps, stages = max(64, next_pow2(group)), 64, 8, 2
 
-    def smem(tn: int, st: int) -> int:
-        return st * 2 * tn * d_pad * kv_elem + block_m * d_pad * q_elem
-
-    while smem(tile_n, stages) > SMEM_BUDGET and (stages > 2 or tile_n > 16):
+    while smem_bytes(block_m, tile_n, stages, head_dim, kv_elem, q_elem) > smem_budget and (
+        stages > 2 or tile_n > 16
+    ):
         if stages > 2:
             stages -= 1
         else:
             tile_n //= 2
-    return AttentionConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages)
+    return AttentionConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages, **extra)
 
 
 _SM_COUNT: dict[int, int] = {}
+_SMEM_OPTIN: dict[int, int] = {}
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 _SEMAPHORES_OLD: list[torch.Tensor] = []  # outgrown buffers stay alive: captured CUDA graphs may use them
 
 
+def _capturing(device: torch.device) -> bool:
+    """A CUDA graph is being captured on the current stream of ``device``."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _split_semaphores(device: torch.device, n: int) -> torch.Tensor | None:
-    """Zeroed int32 arrival counters, >= n, shared by all launches on ``device`` (the last split
-    program resets its counter, so they stay zero between calls; calls on one stream at a time).
-    None while a CUDA graph is being captured and the buffer is too small: a buffer allocated
-    inside a capture would not be zeroed until the first replay."""
+    """Zeroed int32 arrival counters, >= n, shared by all launches on ``device``.
+
+    The last split program of each (q tile, KV head) resets its counter, so they are zero
+    again whenever a launch has finished (calls on one stream at a time). CUDA graphs: the
+    buffer is allocated by an eager call, e.g. the warm-up run before a capture
+    (``cuda_graphs.py`` runs every batch size twice before capturing it), and a captured
+    launch only bakes in its address; replays find the counters zero. During a capture with
+    no buffer large enough this returns None and the caller uses the reduce kernel instead:
+    a buffer allocated inside a capture would come from the graph's pool and would not be
+    zeroed until the first replay. Outgrown buffers are kept alive for graphs that use them.
+    """
     buf = _SEMAPHORES.get(device)
     if buf is not None and buf.numel() >= n:
         return buf
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         return None
     if buf is not None:
         _SEMAPHORES_OLD.append(buf)
@@ -479,6 +553,17 @@ def _sm_count(device: torch.device) -> int:
     if idx not in _SM_COUNT:
         _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
     return _SM_COUNT[idx]
+
+
+def _smem_budget(device: torch.device) -> int:
+    """Per-program shared memory a config may plan for: the device's opt-in maximum on CUDA."""
+    if device.type != "cuda":
+        return SMEM_BUDGET
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _SMEM_OPTIN:
+        props = torch.cuda.get_device_properties(idx)
+        _SMEM_OPTIN[idx] = int(getattr(props, "shared_memory_per_block_optin", 0) or SMEM_BUDGET)
+    return _SMEM_OPTIN[idx]
 
 
 def _fits_int32(cache: torch.Tensor, head_dim: int) -> bool:
@@ -559,7 +644,9 @@ def paged_attention(
         max_seq_len = int(seq_lens.max().item())
 
     group = h // hkv
-    cfg = config or pick_config(max_query_len, group, d, kv_cache.element_size(), query.element_size())
+    cfg = config or pick_config(max_query_len, group, d, kv_cache.element_size(), query.element_size(),
+                                num_seqs=num_seqs, num_kv_heads=hkv, max_seq_len=max_seq_len,
+                                smem_budget=_smem_budget(device))
     if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
         raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
     if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0:

@@ -122,6 +122,9 @@ def run_throughput(args: argparse.Namespace) -> int:
                          output_tok_s=round(n_gen / dt, 1), total_tok_s=round((n_gen + n_in) / dt, 1),
                          peak_kv_usage=round(engine.stats.peak_kv_usage, 4),
                          kv_waste=round(engine.stats.peak_kv_waste, 4)))
+    counts = getattr(engine.runner, "step_counts", None)
+    if counts is not None:
+        print(f"forward passes: {counts['graph']} CUDA-graph replays, {counts['eager']} eager")
     if len(rows) > 1:
         med = sorted(rows, key=lambda r: r["output_tok_s"])[len(rows) // 2]
         rows.append(dict(med, engine="paged-backend (median)", temperature="-"))

@@ -157,7 +157,7 @@ class VariantSweep:
         a = self.args
         if v.name == "default":
             return None, None
-        cfg = replace(pick_config(1, a.heads // a.kv_heads, a.head_dim, kv_elem), **v.cfg)
+        cfg = replace(pick_config(1, a.heads // a.kv_heads, a.head_dim, kv_elem, baseline=True), **v.cfg)
         auto = pick_num_splits(b * a.kv_heads, c, cfg.tile_n, self.dev)
         if v.splits == "x2":
             more = min(2 * auto, max(1, c // (2 * cfg.tile_n)))  # keep >= 2 KV tiles per split
@@ -227,7 +227,7 @@ class VariantSweep:
             ok_variants.append((v, cfg, ns, err))
         times = self._time_graphs(
             [[lambda x=x, cfg=cfg, ns=ns: call(x, cfg, ns) for x in inputs] for _, cfg, ns, _ in ok_variants])
-        base = pick_config(1, a.heads // hkv, d, elem)
+        base = pick_config(1, a.heads // hkv, d, elem, num_seqs=b, num_kv_heads=hkv)  # what 'default' runs
         auto = pick_num_splits(b * hkv, c, base.tile_n, self.dev)
         self.say(f"\n== decode {kind} batch {b} x ctx {c}: KV {kv_bytes / 1e6:.0f} MB, {copies} copies per "
                  f"replay, default splits {auto}")
@@ -354,7 +354,7 @@ class VariantSweep:
         with contextlib.suppress(Exception):
             t_sdpa = min(t_sdpa, bench_ms(lambda: F.scaled_dot_product_attention(
                 qc, kg, vg, is_causal=True, scale=scale, enable_gqa=True)))
-        base = pick_config(n, h // hkv, d)
+        base = pick_config(n, h // hkv, d, baseline=True)  # variants override the untuned baseline
         variants = [(vr, None if vr.name == "default" else replace(base, **vr.cfg)) for vr in PREFILL_VARIANTS]
 
         def call(cfg, compile_only=False):
@@ -391,7 +391,7 @@ class VariantSweep:
             ok = err < 1e-2 and err2 < 1e-2
             if not ok:
                 self.bench.failures.append(f"prefill variant {vr.name} {n}")
-            c = cfg or base
+            c = cfg or pick_config(n, h // hkv, d)  # the launcher's pick for 'default'
             ratio = t_sdpa / ms
             vs_default = default_ms / ms if default_ms else float("nan")
             self.say(f"  {vr.name:<32} {f'{c.block_m}/{c.tile_n}/{c.num_warps}/{c.num_stages}':>19} {ms:8.4f} "

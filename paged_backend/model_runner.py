@@ -75,6 +75,7 @@ class ModelRunner:
         self._overflow: StepInputBuilder | None = None
         self.graphs: DecodeGraphs | None = None
         self._calibration_done = False
+        self.step_counts = {"graph": 0, "eager": 0}  # forward passes by path (bench prints them)
 
     def _setup_kv_scales(self) -> None:
         """FP8 KV: scales from the checkpoint, else from the first batch if asked, else 1.0."""
@@ -198,7 +199,9 @@ class ModelRunner:
             step = builder.build(sched, pad_to=bucket, max_seq_len_bound=self.limits.max_model_len,
                                  sliding_window=window)
             hidden = self.graphs.replay(bucket)
+            self.step_counts["graph"] += 1
         else:
+            self.step_counts["eager"] += 1
             step = builder.build(sched, sliding_window=window)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         rows = step.sample_rows

@@ -245,6 +245,160 @@ def test_fused_merge_counters_reset():
     assert sem.numel() >= 4 * 2 and int(sem.abs().sum()) == 0
 
 
+class _LaunchSpy:
+    """Stands in for a Triton kernel in the launcher's module and counts its launches."""
+
+    def __init__(self, kernel) -> None:
+        self.kernel = kernel
+        self.launches = 0
+
+    def __getitem__(self, grid):
+        self.launches += 1
+        return self.kernel[grid]
+
+    def __getattr__(self, name: str):
+        return getattr(self.kernel, name)
+
+
+def test_pick_config_regimes():
+    """The measured winners per regime (module docstring, docs/BENCHMARKS.md "Variant sweep")."""
+    base = pa.pick_config(1, 4, 128, baseline=True)
+    assert (base.block_m, base.tile_n, base.num_warps, base.num_stages) == (16, 128, 4, 3)
+    assert not (base.fused_merge or base.offsets32 or base.q_fold or base.maxnreg)
+    # decode, bf16 cache: fused merge + int32 offsets from 64 (request, KV head) programs on
+    busy = pa.pick_config(1, 4, 128, 2, 2, num_seqs=8, num_kv_heads=8)
+    assert busy == dataclasses.replace(base, fused_merge=True, offsets32=True)
+    assert pa.pick_config(1, 4, 128, 2, 2, num_seqs=7, num_kv_heads=8) == base  # batch 1-7: baseline
+    assert pa.pick_config(1, 3, 64, 2, 2, num_seqs=22, num_kv_heads=3).fused_merge  # 66 programs
+    assert pa.pick_config(1, 4, 128, 1, 2, num_seqs=256, num_kv_heads=8) == base  # fp8 cache: baseline
+    assert not pa.pick_config(1, 4, 128, 4, 4, num_seqs=256, num_kv_heads=8).fused_merge  # fp32
+    # prefill, bf16: fold2 + int32 offsets + 5 stages; 32-position tiles (128 registers) up to 4k
+    short = pa.pick_config(2048, 4, 128)
+    assert (short.block_m, short.tile_n, short.num_warps, short.num_stages, short.maxnreg) == (128, 32, 8, 5, 128)
+    assert short.q_fold == 2 and short.offsets32 and not (short.fused_merge or short.lazy_rescale)
+    long = pa.pick_config(8192, 4, 128)
+    assert (long.block_m, long.tile_n, long.num_warps, long.num_stages, long.maxnreg) == (128, 128, 8, 5, 0)
+    assert long.q_fold == 2 and long.offsets32
+    assert pa.pick_config(512, 4, 128, max_seq_len=30_000).tile_n == 128  # a chunk over a long context
+    assert pa.pick_config(4096, 4, 128).tile_n == 32 and pa.pick_config(4097, 4, 128).tile_n == 128
+    # fp32 queries keep the baseline tile shape (FMA dots: the older, fully buffered estimate)
+    f32 = pa.pick_config(8192, 4, 128, 4, 4)
+    assert (f32.tile_n, f32.num_stages, f32.maxnreg) == (64, 2, 0) and f32.q_fold == 2
+    assert pa.pick_config(8192, 4, 128, 4, 4, baseline=True).tile_n == 64
+
+
+def test_pick_config_shared_memory():
+    """Triton 3.6 allocates stages-2 K/V buffers (the K/V loads wait on the block-id load):
+    5 stages of 128/128 bf16 tiles need 231,424 B, inside the H200's 232,448, so the shrink
+    loop must keep them; a smaller budget still shrinks stages, then the tile."""
+    assert pa.smem_bytes(128, 128, 5, 128) == 231_424 <= pa.SMEM_BUDGET == 232_448
+    assert pa.smem_bytes(128, 128, 6, 128) > pa.SMEM_BUDGET
+    for cfg in (pa.pick_config(8192, 4, 128), pa.pick_config(8192, 4, 128, 1, 2), pa.pick_config(2048, 4, 80)):
+        assert cfg.num_stages == 5
+    for budget in (160 * 1024, 100 * 1024, 48 * 1024):
+        cfg = pa.pick_config(8192, 4, 128, smem_budget=budget)
+        assert pa.smem_bytes(cfg.block_m, cfg.tile_n, cfg.num_stages, 128) <= budget
+        assert cfg.num_stages < 5 and (cfg.num_stages == 2 or cfg.tile_n == 128)
+    # fp32: every stage buffered in full (the estimate the fp32 tests on the H200 ran against)
+    assert pa.smem_bytes(128, 64, 2, 128, 4, 4) == 2 * 2 * 64 * 128 * 4 + 128 * 128 * 4
+    # fp8 cache converted to fp16 for the MMA: one 16-bit copy of each tile on top
+    assert pa.smem_bytes(128, 128, 5, 128, 1, 2) == pa.smem_bytes(128, 128, 5, 128) - 3 * 2 * 128 * 128 + 65536
+
+
+def _busy_decode(seed: int, fp8: bool = False):
+    """16 decode requests over 4 KV heads: 64 programs, the launcher's fused + int32 regime."""
+    reqs = scaled([(40 + 23 * i % 170, 1) for i in range(16)])
+    return make_batch(reqs, 8, 4, 64, 16, torch.bfloat16, fp8=fp8, seed=seed)
+
+
+def test_default_decode_fused_when_busy(monkeypatch):
+    """Defaults: a busy bf16 decode batch merges its splits in the kernel (no reduce launch);
+    one request and an fp8 cache keep the reduce kernel. All match the reference."""
+    spy = _LaunchSpy(pa._reduce_splits_kernel)
+    monkeypatch.setattr(pa, "_reduce_splits_kernel", spy)
+    q, kv, bt, sl, qsl = _busy_decode(seed=16)
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=3)
+    check(out, ref, torch.bfloat16)
+    assert spy.launches == 0
+    assert int(pa._SEMAPHORES[q.device].abs().sum()) == 0
+    out, ref = run_both(q[:1], kv, bt[:1], sl[:1], qsl[:2], 0.125, num_splits=3)  # 4 programs
+    check(out, ref, torch.bfloat16)
+    assert spy.launches == 1
+    q, kv, bt, sl, qsl = _busy_decode(seed=17, fp8=True)
+    ks, vs = torch.tensor(0.5, device=DEVICE), torch.tensor(1.5, device=DEVICE)
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, ks, vs, num_splits=3)
+    check(out, ref, torch.bfloat16)
+    assert spy.launches == 2
+
+
+def test_fused_merge_during_graph_capture(monkeypatch):
+    """The CUDA-graph path, its host logic simulated: counters are never allocated inside a
+    capture. Before any eager call the captured launch falls back to the reduce kernel; after
+    one (the warm-up cuda_graphs.py runs before capturing) it reuses that buffer."""
+    spy = _LaunchSpy(pa._reduce_splits_kernel)
+    monkeypatch.setattr(pa, "_reduce_splits_kernel", spy)
+    monkeypatch.setattr(pa, "_SEMAPHORES", {})
+    capturing = {"on": True}
+    monkeypatch.setattr(pa, "_capturing", lambda device: capturing["on"])
+    q, kv, bt, sl, qsl = _busy_decode(seed=18)
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=4)  # capture, no buffer yet
+    check(out, ref, torch.bfloat16)
+    assert spy.launches == 1 and not pa._SEMAPHORES
+    capturing["on"] = False  # warm-up: allocates
+    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=4)
+    check(out, ref, torch.bfloat16)
+    buf = pa._SEMAPHORES[q.device]
+    assert spy.launches == 1
+    capturing["on"] = True  # capture: the warm-up's buffer, fused
+    for _ in range(2):
+        out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=4)
+        check(out, ref, torch.bfloat16)
+    assert spy.launches == 1 and pa._SEMAPHORES[q.device] is buf and int(buf.abs().sum()) == 0
+    assert pa._split_semaphores(q.device, buf.numel() + 1) is None  # no growing inside a capture
+    assert pa._SEMAPHORES[q.device] is buf
+
+
+@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_default_decode(monkeypatch):
+    """As the engine does it (cuda_graphs.py): warm up twice on a side stream, capture the
+    default launch (fused merge, int32 offsets), then replay on new inputs; every replay
+    matches the reference and leaves the counters at zero."""
+    monkeypatch.setattr(pa, "_SEMAPHORES", {})
+    spy = _LaunchSpy(pa._reduce_splits_kernel)
+    monkeypatch.setattr(pa, "_reduce_splits_kernel", spy)
+    reqs = [(600 + 97 * i, 1) for i in range(16)]  # 16 requests x 4 KV heads = 64 programs
+    q, kv, bt, sl, qsl = make_batch(reqs, 8, 4, 128, 16, torch.bfloat16, seed=19)
+    max_seq = 4096  # a bound, as the graphs capture with max_model_len
+    splits = pa.pick_num_splits(16 * 4, max_seq, 128, q.device)
+    assert splits > 1
+    out = torch.empty_like(q)
+
+    def step():
+        paged_attention(q, kv, bt, sl, qsl, 0.125, out=out, max_query_len=1, max_seq_len=max_seq)
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    assert spy.launches == 0  # fused in the warm-up and in the capture
+    g = torch.Generator(device="cpu").manual_seed(20)
+    for _ in range(3):
+        q.copy_(torch.randn(q.shape, generator=g).to(q.dtype))
+        sl.copy_(sl.flip(0))  # other lengths each replay (all within the block tables)
+        bt.copy_(bt.flip(0))
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = paged_attention_ref(q.cpu(), kv.cpu(), bt.cpu(), sl.cpu(), qsl.cpu(), 0.125)
+        check(out, ref, torch.bfloat16)
+        assert int(pa._SEMAPHORES[q.device].abs().sum()) == 0
+
+
 def test_offsets32_only_when_they_fit():
     """int32 offsets are used only when every offset into the cache is below 2^31."""
     small = torch.empty((2, 1000, 16, 8, 128), device="meta")
