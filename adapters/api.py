@@ -151,6 +151,9 @@ def build_sampling_params(fields: Mapping[str, Any], *, field_names: Mapping[str
     ``coerce_strings`` converts string values to the field's type ("0.5" -> 0.5).
     """
     values = dict(fields)
+    if "output_kind" in values:  # the adapters stream deltas and merge them themselves
+        name = (field_names or {}).get("output_kind", "output_kind")
+        raise AdapterError(f"{name} cannot be set through an adapter (outputs are streamed as deltas)", param=name)
     if coerce_strings:
         values = {k: _coerce_string(k, v) if isinstance(v, str) else v for k, v in values.items()}
     try:

@@ -57,7 +57,7 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_log
 
 # vLLM engine arguments that mean nothing here (CUDA graphs, Ray, remote code ...): accepted, logged, ignored.
 IGNORED_VLLM_ARGS = frozenset({
-    "enforce_eager", "disable_custom_all_reduce", "trust_remote_code", "disable_log_requests", "worker_use_ray",
+    "disable_custom_all_reduce", "trust_remote_code", "disable_log_requests", "worker_use_ray",
     "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_sliding_window",
     "tokenizer_mode", "revision", "download_dir", "pipeline_parallel_size", "enable_log_requests",
     "compilation_config", "cpu_offload_gb", "use_v2_block_manager",

@@ -19,6 +19,7 @@ from typing import Any
 from paged_backend.config import EngineConfig
 from paged_backend.engine import LLMEngine, PreparedRequest
 from paged_backend.errors import EngineDeadError, InvalidRequestError
+from paged_backend.gc_heap import frozen_heap
 from paged_backend.outputs import RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
@@ -146,6 +147,10 @@ class AsyncEngine:
                 stream.put(exc)
 
     def _loop(self) -> None:
+        with frozen_heap():  # the loop runs for the engine's life: collections skip the start-up heap
+            self._run_loop()
+
+    def _run_loop(self) -> None:
         try:
             while not self._stopped.is_set():
                 self._drain_inbox()
@@ -154,11 +159,12 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                for out in self.engine.step():
+                outs = self.engine.step()
+                self._publish_stats()  # first: a caller that sees its final output sees its counts
+                for out in outs:
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
                         stream.put(out)
-                self._publish_stats()
         except BaseException as exc:  # the loop must never die silently
             logger.exception("engine loop died")
             self._dead = exc

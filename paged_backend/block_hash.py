@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 
 BlockHash = bytes
@@ -22,15 +24,23 @@ ExtraKey = str | bytes | int
 # Stands in for the parent hash of a sequence's first block.
 ROOT_HASH: BlockHash = hashlib.sha256(b"paged-backend/prefix-cache/v1").digest()
 
-_INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+assert array("i").itemsize == 4, "array('i') must be int32 for the int32 encoding"
+_SWAP = sys.byteorder != "little"
 
 
 def _pack_tokens(token_ids: Sequence[int]) -> bytes:
-    """Width tag + count + the ids as little-endian int32 (or int64 when one doesn't fit)."""
+    """Width tag + count + the ids as little-endian int32 (or int64 when one doesn't fit).
+
+    ``array('i')`` packs (and range-checks) int32 ids about twice as fast as ``struct``.
+    """
     n = len(token_ids)
-    if n == 0 or (_INT32_MIN <= min(token_ids) and max(token_ids) <= _INT32_MAX):
-        return struct.pack(f"<BI{n}i", 4, n, *token_ids)
-    return struct.pack(f"<BI{n}q", 8, n, *token_ids)
+    try:
+        packed = array("i", token_ids)
+    except OverflowError:
+        return struct.pack(f"<BI{n}q", 8, n, *token_ids)
+    if _SWAP:
+        packed.byteswap()
+    return struct.pack("<BI", 4, n) + packed.tobytes()
 
 
 def _pack_extra_key(key: ExtraKey) -> bytes:

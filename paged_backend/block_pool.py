@@ -67,7 +67,7 @@ class FreeBlockQueue:
 
     def append(self, block: KVCacheBlock) -> None:
         """Put ``block`` at the tail (most recently freed)."""
-        if self.contains(block):
+        if block._prev_free is not None:
             raise ValueError(f"{block} is already in the free queue")
         last = self._tail._prev_free
         assert last is not None
@@ -158,10 +158,12 @@ class BlockPool:
         if n > self.num_free_blocks:
             raise ValueError(f"cannot allocate {n} blocks: only {self.num_free_blocks} free")
         out = []
+        popleft = self.free_block_queue.popleft
         for _ in range(n):
-            block = self.free_block_queue.popleft()
+            block = popleft()
             assert block.ref_cnt == 0, block
-            self._evict_hash(block)
+            if block.block_hash is not None:
+                self._evict_hash(block)
             block.ref_cnt = 1
             out.append(block)
         return out
@@ -186,14 +188,16 @@ class BlockPool:
 
         Callers pass a request's blocks tail first, so its tail blocks are evicted first.
         """
+        append = self.free_block_queue.append
         for block in ordered_blocks:
-            if block.is_null:
+            if block.block_id == 0:  # the null block
                 continue
-            if block.ref_cnt <= 0:
+            ref_cnt = block.ref_cnt
+            if ref_cnt <= 0:
                 raise ValueError(f"double free of {block}")
-            block.ref_cnt -= 1
-            if block.ref_cnt == 0:
-                self.free_block_queue.append(block)
+            block.ref_cnt = ref_cnt - 1
+            if ref_cnt == 1:
+                append(block)
 
     def cache_full_block(self, block: KVCacheBlock, block_hash: BlockHash) -> None:
         """Register a newly filled full block under ``block_hash``.

@@ -1,8 +1,15 @@
 """The synchronous engine core: add requests, step, abort.
 
 One ``step()`` = schedule -> run the model -> sample -> append tokens, check stops,
-detokenize -> free finished requests -> return ``RequestOutput`` deltas. ``LLM`` and
-``AsyncEngine`` drive it; nothing else touches the scheduler or the KV cache.
+detokenize -> free finished requests -> return ``RequestOutput``s, of the kind each
+request's ``output_kind`` asks (deltas by default; ``LLM.generate`` asks FINAL_ONLY, so
+no output is built until a request finishes). ``LLM`` and ``AsyncEngine`` drive it;
+nothing else touches the scheduler or the KV cache.
+
+The step is host-bound on a fast GPU, so its per-request work is kept to plain attribute
+reads: parameters are digested once per request (``_Sample``), a batch of plain greedy
+rows skips the sampler's per-row metadata (``Sampler.greedy``), and stop checks run only
+for a token that could stop its request.
 
 A user request with ``n > 1`` becomes ``n`` internal requests: sample 0 computes the
 prompt; when its prompt is done, ``n`` tokens are sampled from the same logits and the
@@ -12,6 +19,7 @@ other samples fork its blocks (shared by reference, copy-on-write on the partial
 from __future__ import annotations
 
 import logging
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -26,8 +34,14 @@ from paged_backend.model_info import ModelInfo
 from paged_backend.model_loader import resolve_dtype
 from paged_backend.outputs import CompletionOutput, LogprobsDict, RequestOutput, Usage
 from paged_backend.request import Request, RequestStatus
-from paged_backend.sampler import Sampler, SamplingMetadata, compute_prompt_logprobs
-from paged_backend.sampling_params import SamplingParams
+from paged_backend.sampler import (
+    RowSpec,
+    Sampler,
+    SamplingMetadata,
+    compute_prompt_logprobs,
+    fast_greedy_from,
+)
+from paged_backend.sampling_params import RequestOutputKind, SamplingParams
 from paged_backend.scheduler import Scheduler
 from paged_backend.stats import EngineStats
 from paged_backend.tp_executor import create_model_runner
@@ -48,20 +62,37 @@ class PreparedRequest:
     cache_salt: str | None = None
 
 
-@dataclass
+_NEVER = sys.maxsize
+
+
+@dataclass(eq=False)
 class _Sample:
-    """Engine-side state of one internal request (one of the n samples)."""
+    """Engine-side state of one internal request (one of the n samples).
+
+    The per-step loop reads only plain attributes, derived once from the parameters (they
+    do not change while the request runs): ``spec`` (what the sampler's batch plan reads),
+    ``fast_from`` (output count from which its logits row may skip the full sampler),
+    ``stop_ids`` (every token id that could end it), ``max_output`` (the output length that
+    ends it: max_tokens or the rest of max_model_len) and ``wants_logprobs``.
+    """
 
     request: Request
     generator: torch.Generator | None
     detok: IncrementalDetokenizer | None
+    spec: RowSpec
+    max_output: int
+    fast_from: int = _NEVER
+    stop_ids: frozenset[int] = frozenset()
+    wants_logprobs: bool = False
+    # DELTA: what is new since the last output; CUMULATIVE / FINAL_ONLY: logprobs and text so far
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[LogprobsDict] = field(default_factory=list)
+    text: str = ""
     cumulative_logprob: float = 0.0
     reported_finish: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _Group:
     """One user request: its samples and what it has reported."""
 
@@ -71,10 +102,16 @@ class _Group:
     prompt_logprobs: list[LogprobsDict | None] | None = None
     prompt_logprobs_sent: bool = False
     first_token_time: float | None = None
+    kind: RequestOutputKind = RequestOutputKind.DELTA
 
     @property
     def finished(self) -> bool:
-        return not self.pending_forks and all(s.request.is_finished for s in self.samples)
+        if self.pending_forks:
+            return False
+        samples = self.samples
+        if len(samples) == 1:
+            return samples[0].request.is_finished
+        return all(s.request.is_finished for s in samples)
 
 
 class LLMEngine:
@@ -106,6 +143,7 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed)
         self.groups: dict[str, _Group] = {}
         self.samples: dict[str, tuple[_Group, _Sample]] = {}
+        self._forking: set[str] = set()  # n > 1 requests whose samples have not forked yet
         self.stats = EngineStats(interval=0 if config.disable_log_stats else config.log_stats_interval)
         capacity = (num_blocks - 1) * config.block_size
         logger.info(
@@ -144,15 +182,16 @@ class LLMEngine:
             raise InvalidRequestError("A prompt (text or token ids) is required.", param="prompt")
         else:
             text, ids = None, list(prompt)
-            if any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
+            # set(map(type, ...)) runs in C; the exact check only when some id is not a plain int
+            if set(map(type, ids)) - {int} and any(not isinstance(t, int) or isinstance(t, bool) for t in ids):
                 raise InvalidRequestError("Prompt token ids must be integers.", param="prompt")
         if not ids:
             raise InvalidRequestError("The prompt must not be empty.", param="prompt")
         vocab = self.info.vocab_size
-        bad = [t for t in ids if t < 0 or t >= vocab]
-        if bad:
+        if min(ids) < 0 or max(ids) >= vocab:
+            bad = next(t for t in ids if t < 0 or t >= vocab)
             raise InvalidRequestError(
-                f"Token id {bad[0]} is out of vocabulary (vocab size {vocab}).", param="prompt")
+                f"Token id {bad} is out of vocabulary (vocab size {vocab}).", param="prompt")
         bad_stop = [t for t in params.stop_token_ids if t >= vocab]
         if bad_stop:
             raise InvalidRequestError(
@@ -197,10 +236,12 @@ class LLMEngine:
         if prep.request_id in self.groups:
             raise InvalidRequestError(f"Request id {prep.request_id!r} is already in use.", param="request_id")
         samples = [self._new_sample(prep, i) for i in range(prep.params.n)]
-        group = _Group(prep, samples, pending_forks=samples[1:])
+        group = _Group(prep, samples, pending_forks=samples[1:], kind=prep.params.output_kind)
         if prep.params.prompt_logprobs is not None:
             group.prompt_logprobs = [None]
         self.groups[prep.request_id] = group
+        if group.pending_forks:
+            self._forking.add(prep.request_id)
         for s in samples:
             self.samples[s.request.request_id] = (group, s)
         self.scheduler.add_request(samples[0].request)
@@ -221,7 +262,14 @@ class LLMEngine:
         detok = None
         if params.detokenize and self.tokenizer is not None:
             detok = IncrementalDetokenizer(self.tokenizer, params)
-        return _Sample(req, gen, detok)
+        stop_ids = set(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids.update(self.eos_token_ids)
+        fast_from = fast_greedy_from(params, self.eos_token_ids)
+        max_output = min(prep.max_tokens, self.max_model_len - len(prep.prompt_token_ids))
+        return _Sample(req, gen, detok, RowSpec.of(params, self.eos_token_ids), max_output,
+                       fast_from=_NEVER if fast_from is None else fast_from,
+                       stop_ids=frozenset(stop_ids), wants_logprobs=params.logprobs is not None)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Abort a user request (all its samples); its blocks are freed now.
@@ -231,6 +279,7 @@ class LLMEngine:
         if group is None:
             return None
         group.pending_forks = []
+        self._forking.discard(request_id)
         for s in group.samples:
             self.scheduler.finish(s.request, RequestStatus.FINISHED_ABORTED)
             self.samples.pop(s.request.request_id, None)
@@ -244,12 +293,118 @@ class LLMEngine:
 
     def step(self) -> list[RequestOutput]:
         sched = self.scheduler.schedule()
-        self.stats.on_preemptions(len(sched.preempted))
+        if sched.preempted:
+            self.stats.on_preemptions(len(sched.preempted))
         if sched.is_empty:
             return []
         out = self.runner.execute(sched)
-        touched: dict[str, _Group] = {}
-        for rid, (start, logits) in out.prompt_logits.items():
+        if out.prompt_logits:
+            self._collect_prompt_logprobs(out.prompt_logits)
+
+        # one row per sampled request, plus one per pending fork (n > 1: the children sample
+        # from their parent's prompt logits)
+        logits = out.logits
+        forking: list[_Group] = []
+        if self._forking:
+            rows, index, forking = self._rows_with_forks(out.sample_request_ids)
+            if index is not None:
+                logits = logits[torch.tensor(index, device=logits.device)]
+        else:
+            samples = self.samples
+            rows = [samples[rid] for rid in out.sample_request_ids]
+        # every row plain greedy by now: argmax only (the per-row checks below are all it costs)
+        fast = True
+        for _, sample in rows:
+            if sample.fast_from and len(sample.request.output_token_ids) < sample.fast_from:
+                fast = False
+                break
+        if fast:
+            token_ids = self.sampler.greedy(logits)
+        else:
+            token_ids = self._sample(rows, logits)
+        for group in forking:  # before the parent can finish and free its blocks
+            for child in group.pending_forks:
+                self._fork(group, child)
+            group.pending_forks = []
+            self._forking.discard(group.prep.request_id)
+
+        now = time.monotonic()
+        delta_kind, final_kind = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
+        touched: dict[str, _Group] = {}  # groups that report this step (DELTA, CUMULATIVE)
+        ended: dict[str, _Group] = {}  # groups with a sample that finished this step
+        for (group, sample), tok in zip(rows, token_ids, strict=True):
+            req = sample.request
+            out_ids = req.output_token_ids
+            out_ids.append(tok)
+            req.all_token_ids.append(tok)
+            kind = group.kind
+            if kind is delta_kind:
+                sample.new_token_ids.append(tok)
+            # _check_stop only when the token could end the request (it also feeds the detokenizer)
+            if tok in sample.stop_ids or len(out_ids) >= sample.max_output or sample.detok is not None:
+                self._check_stop(sample, tok)
+                if req.is_finished:
+                    ended[group.prep.request_id] = group
+            if group.first_token_time is None:
+                group.first_token_time = now
+            if kind is not final_kind:
+                touched[group.prep.request_id] = group
+
+        self.stats.on_step(sched.num_tokens, len(rows), self.scheduler, self.kv)
+        results = [self._make_output(group) for group in touched.values()]
+        for rid, group in ended.items():
+            if not group.finished:
+                continue
+            if group.kind is final_kind:
+                results.append(self._make_output(group))
+            del self.groups[rid]
+            for s in group.samples:
+                self.samples.pop(s.request.request_id, None)
+            self.stats.on_request_finished(aborted=False)
+        return results
+
+    def _rows_with_forks(
+        self, request_ids: list[str]
+    ) -> tuple[list[tuple[_Group, _Sample]], list[int] | None, list[_Group]]:
+        """Rows when some n > 1 request still has to fork: its children get rows repeating the
+        parent's logits row (``index``: the logits row of each row; None when nothing repeats)."""
+        rows: list[tuple[_Group, _Sample]] = []
+        forking: list[_Group] = []
+        index: list[int] | None = None
+        for i, rid in enumerate(request_ids):
+            entry = self.samples[rid]
+            rows.append(entry)
+            group, sample = entry
+            if index is not None:
+                index.append(i)
+            if group.pending_forks and sample is group.samples[0]:
+                forking.append(group)
+                if index is None:
+                    index = list(range(i + 1))
+                for child in group.pending_forks:
+                    rows.append((group, child))
+                    index.append(i)
+        return rows, index, forking
+
+    def _sample(self, rows: list[tuple[_Group, _Sample]], logits: torch.Tensor) -> list[int]:
+        """The full sampler; also records the sampled logprobs of the rows that asked for them."""
+        meta = SamplingMetadata(
+            params=[s.request.sampling_params for _, s in rows],
+            generators=[s.generator for _, s in rows],
+            prompt_token_ids=[s.request.prompt_token_ids for _, s in rows],
+            output_token_ids=[s.request.output_token_ids for _, s in rows],
+            eos_token_ids=self.eos_token_ids,
+            specs=[s.spec for _, s in rows],
+        )
+        sampled = self.sampler(logits, meta)
+        for (_, sample), lp, tops in zip(rows, sampled.sampled_logprobs, sampled.logprobs, strict=True):
+            if sample.wants_logprobs:
+                sample.cumulative_logprob += lp
+                sample.new_logprobs.append(tops)
+        return sampled.sampled_token_ids
+
+    def _collect_prompt_logprobs(self, prompt_logits: dict[str, tuple[int, torch.Tensor]]) -> None:
+        for rid, (start, logits) in prompt_logits.items():
             group, sample = self.samples[rid]
             prompt = sample.request.prompt_token_ids
             # entries exist for positions 0 .. have-1; a recompute after preemption repeats some
@@ -259,58 +414,6 @@ class LLMEngine:
                 targets = prompt[start + 1 + skip : start + 1 + logits.shape[0]]
                 group.prompt_logprobs.extend(
                     compute_prompt_logprobs(logits[skip:], targets, group.prep.params.prompt_logprobs))
-
-        rows: list[int] = []
-        row_samples: list[tuple[_Group, _Sample]] = []
-        for i, rid in enumerate(out.sample_request_ids):
-            group, sample = self.samples[rid]
-            rows.append(i)
-            row_samples.append((group, sample))
-            if group.pending_forks and sample is group.samples[0]:
-                for child in group.pending_forks:
-                    rows.append(i)
-                    row_samples.append((group, child))
-        logits = out.logits if len(rows) == len(out.sample_request_ids) else out.logits[
-            torch.tensor(rows, device=out.logits.device)]
-        meta = SamplingMetadata(
-            params=[s.request.sampling_params for _, s in row_samples],
-            generators=[s.generator for _, s in row_samples],
-            prompt_token_ids=[s.request.prompt_token_ids for _, s in row_samples],
-            output_token_ids=[s.request.output_token_ids for _, s in row_samples],
-            eos_token_ids=self.eos_token_ids,
-        )
-        sampled = self.sampler(logits, meta)
-        now = time.monotonic()
-        for group, sample in row_samples:
-            if group.pending_forks and sample is group.samples[0]:
-                for child in group.pending_forks:  # before the parent can finish and free its blocks
-                    self._fork(group, child)
-                group.pending_forks = []
-
-        for (group, sample), tok, lp, tops in zip(
-            row_samples, sampled.sampled_token_ids, sampled.sampled_logprobs, sampled.logprobs, strict=True
-        ):
-            req = sample.request
-            req.append_output_token(tok)
-            sample.new_token_ids.append(tok)
-            sample.cumulative_logprob += lp
-            if req.sampling_params.logprobs is not None:
-                sample.new_logprobs.append(tops)
-            self._check_stop(sample, tok)
-            if group.first_token_time is None:
-                group.first_token_time = now
-            touched[group.prep.request_id] = group
-
-        self.stats.on_step(sched.num_tokens, len(rows), self.scheduler, self.kv)
-        results = []
-        for group in touched.values():
-            results.append(self._make_output(group))
-            if group.finished:
-                self.groups.pop(group.prep.request_id, None)
-                for s in group.samples:
-                    self.samples.pop(s.request.request_id, None)
-                self.stats.on_request_finished(aborted=False)
-        return results
 
     def _fork(self, group: _Group, child: _Sample) -> None:
         parent = group.samples[0].request
@@ -338,31 +441,44 @@ class LLMEngine:
             self.scheduler.finish(req, status)
 
     def _make_output(self, group: _Group) -> RequestOutput:
+        """The group's output of its kind: DELTA holds what is new since the last one (and resets
+        it), CUMULATIVE and FINAL_ONLY hold everything so far."""
+        delta = group.kind is RequestOutputKind.DELTA
         outs = []
         for s in group.samples:
             req = s.request
-            if not s.new_token_ids and (s.reported_finish or not req.is_finished):
-                continue
-            fin = req.status.finish_reason
+            finished = req.is_finished
+            if delta:
+                if not s.new_token_ids and (s.reported_finish or not finished):
+                    continue
+                token_ids, logprobs = s.new_token_ids, s.new_logprobs
+                text = s.detok.delta(finished) if s.detok is not None else ""
+                s.new_token_ids, s.new_logprobs = [], []
+            else:
+                if not req.output_token_ids and not finished:
+                    continue
+                token_ids, logprobs = list(req.output_token_ids), list(s.new_logprobs)
+                if s.detok is not None:
+                    s.text += s.detok.delta(finished)
+                text = s.text
             outs.append(CompletionOutput(
                 index=req.sample_index,
-                text=s.detok.delta(req.is_finished) if s.detok is not None else "",
-                token_ids=s.new_token_ids,
-                logprobs=s.new_logprobs if req.sampling_params.logprobs is not None else None,
-                finish_reason=fin,
+                text=text,
+                token_ids=token_ids,
+                logprobs=logprobs if s.wants_logprobs else None,
+                finish_reason=req.status.finish_reason,
                 stop_reason=req.stop_reason,
-                cumulative_logprob=s.cumulative_logprob,
-                num_output_tokens=req.num_output_tokens,
+                cumulative_logprob=s.cumulative_logprob if s.wants_logprobs else None,
+                num_output_tokens=len(req.output_token_ids),
             ))
-            s.new_token_ids, s.new_logprobs = [], []
-            s.reported_finish = req.is_finished
+            s.reported_finish = finished
         prompt_lp = None
-        if group.prompt_logprobs is not None and not group.prompt_logprobs_sent:
+        if group.prompt_logprobs is not None and (not delta or not group.prompt_logprobs_sent):
             prompt_lp, group.prompt_logprobs_sent = group.prompt_logprobs, True
         lead = group.samples[0].request
         usage = Usage(
             prompt_tokens=lead.num_prompt_tokens,
-            completion_tokens=sum(s.request.num_output_tokens for s in group.samples),
+            completion_tokens=sum(len(s.request.output_token_ids) for s in group.samples),
             cached_tokens=max(0, lead.num_cached_tokens),
         )
         return RequestOutput(group.prep.request_id, group.prep.prompt, group.prep.prompt_token_ids,

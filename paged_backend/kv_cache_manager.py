@@ -17,6 +17,11 @@ Invariants:
     are copied first: copy-on-write);
   - blocks are hashed (cached) at allocation for the tokens scheduled in that step, so the
     caller must run the forward for everything it allocated before it frees or preempts.
+
+Per decode step the scheduler may skip ``allocate_slots`` (a Python call per running
+request): when ``num_computed + num_new < quiet_end[request_id]`` the new tokens land in
+the request's current block, which is private and does not fill up, so the call would
+allocate, copy and cache nothing. Every allocation, fork and free keeps ``quiet_end`` right.
 """
 
 from __future__ import annotations
@@ -40,6 +45,12 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
+        # the same lists as block ids, kept in step with _req_blocks; the scheduler copies a
+        # request's list every step (read-only for everyone else: use get_block_ids)
+        self.req_block_ids: dict[str, list[int]] = {}
+        # per request: a step whose tokens all land before this position needs no allocate_slots
+        # call: they go into the request's current private block and do not fill it
+        self.quiet_end: dict[str, int] = {}
         # how many leading blocks of each request have been offered to the prefix cache
         self._num_cached_blocks: dict[str, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
@@ -59,7 +70,9 @@ class KVCacheManager:
         return self.block_pool.stats
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._req_blocks.get(request_id, ())]
+        """A copy of the request's block ids (a snapshot: later steps change the request's list)."""
+        ids = self.req_block_ids.get(request_id)
+        return ids.copy() if ids is not None else []
 
     def num_blocks_of(self, request_id: str) -> int:
         return len(self._req_blocks.get(request_id, ()))
@@ -115,11 +128,35 @@ class KVCacheManager:
         in ``get_block_ids`` and ``take_pending_copies``), or None -- changing nothing -- when
         the pool cannot provide them. Check the result with ``is None``: ``[]`` is success.
         """
+        req_id = request.request_id
+        blocks = self._req_blocks.get(req_id)
+        if blocks and not new_computed_blocks and num_new_tokens > 0:
+            # fast path (a decode step, mostly): the held blocks have room and the ones written
+            # are private, so nothing is allocated or copied; only a block just filled is cached
+            bs = self.block_size
+            num_computed = request.num_computed_tokens
+            num_total = num_computed + num_new_tokens
+            if num_total <= len(blocks) * bs:
+                if num_new_tokens == 1:
+                    private = blocks[num_computed // bs].ref_cnt == 1
+                else:
+                    private = True
+                    for i in range(num_computed // bs, -(-num_total // bs)):
+                        if blocks[i].ref_cnt > 1:
+                            private = False
+                            break
+                if private:
+                    # the earlier calls cached every block their (known) tokens filled, so
+                    # only a block boundary crossed now can add a full block
+                    if self.enable_caching and num_total // bs > num_computed // bs:
+                        self._cache_full_blocks(request, blocks, min(num_total, len(request.all_token_ids)))
+                    self.quiet_end[req_id] = num_total if num_total % bs == 0 else (num_total // bs + 1) * bs
+                    return []
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         hit_blocks = new_computed_blocks or []
-        req_id = request.request_id
-        blocks = self._req_blocks.get(req_id, [])
+        if blocks is None:
+            blocks = []
         if hit_blocks and blocks:
             raise ValueError(f"request {req_id} already holds blocks; prefix hits are for new requests")
 
@@ -142,7 +179,11 @@ class KVCacheManager:
             self._copy_on_write(blocks, i)
         fresh = self.block_pool.get_new_blocks(num_fresh)
         blocks.extend(fresh)
+        self.req_block_ids[req_id] = [b.block_id for b in blocks]
         self._cache_full_blocks(request, blocks, min(num_total, request.num_tokens))
+        bs = self.block_size  # the written blocks are private now (copied on write)
+        quiet = num_new_tokens > 0 and num_total % bs != 0
+        self.quiet_end[req_id] = (num_total // bs + 1) * bs if quiet else num_total
         return fresh
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
@@ -156,6 +197,8 @@ class KVCacheManager:
         Pending copies into its blocks are dropped (a COW destination is private to its request).
         """
         blocks = self._req_blocks.pop(request.request_id, [])
+        self.req_block_ids.pop(request.request_id, None)
+        self.quiet_end.pop(request.request_id, None)
         self._num_cached_blocks.pop(request.request_id, None)
         if self._pending_copies:
             own = {b.block_id for b in blocks}
@@ -173,6 +216,9 @@ class KVCacheManager:
         blocks = self._req_blocks.get(parent.request_id, [])
         self.block_pool.touch(blocks)
         self._req_blocks[child.request_id] = list(blocks)
+        self.req_block_ids[child.request_id] = [b.block_id for b in blocks]
+        # the partial block is shared now: the next write of either must copy it first
+        self.quiet_end[child.request_id] = self.quiet_end[parent.request_id] = 0
         self._num_cached_blocks[child.request_id] = self._num_cached_blocks.get(parent.request_id, 0)
         child.block_hashes = list(parent.block_hashes)
 

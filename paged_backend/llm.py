@@ -11,8 +11,9 @@ from tqdm.auto import tqdm
 from paged_backend.beam_search import BeamSearchRunner
 from paged_backend.config import EngineConfig
 from paged_backend.engine import LLMEngine
-from paged_backend.outputs import RequestOutput, merge_delta
-from paged_backend.sampling_params import SamplingParams
+from paged_backend.gc_heap import frozen_heap
+from paged_backend.outputs import RequestOutput
+from paged_backend.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 Message = dict[str, Any]
@@ -41,6 +42,15 @@ class LLM:
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Outputs in input order; each holds the full texts / token ids of its n samples."""
+        with frozen_heap():
+            return self._generate(prompts, sampling_params, use_tqdm)
+
+    def _generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None,
+        use_tqdm: bool,
+    ) -> list[RequestOutput]:
         prompts = _as_prompt_list(prompts)
         params = _broadcast(sampling_params, len(prompts))
         beam = [i for i, p in enumerate(params) if p.use_beam_search]
@@ -51,9 +61,15 @@ class LLM:
                 results[i] = out
         plain = [i for i in range(len(prompts)) if i not in results]
         ids = {}
+        final_only: dict[int, SamplingParams] = {}  # one copy per distinct params object
         for i in plain:
             rid = f"llm-{next(self._ids)}"
-            self.engine.add_request(rid, prompts[i], params[i])
+            p = params[i]
+            if p.output_kind is not RequestOutputKind.FINAL_ONLY:
+                if id(p) not in final_only:
+                    final_only[id(p)] = p.model_copy(update={"output_kind": RequestOutputKind.FINAL_ONLY})
+                p = final_only[id(p)]
+            self.engine.add_request(rid, prompts[i], p)
             ids[rid] = i
         finals = self._run(ids, use_tqdm)
         results.update(finals)
@@ -80,20 +96,18 @@ class LLM:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     def _run(self, ids: dict[str, int], use_tqdm: bool) -> dict[int, RequestOutput]:
-        """Step the engine until every request in ``ids`` finished; merge deltas per request."""
-        merged: dict[str, RequestOutput] = {}
+        """Step the engine until every request in ``ids`` finished (FINAL_ONLY: the engine emits
+        one complete output per request, when it finishes)."""
+        finals: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(ids), desc="Processed prompts", disable=not use_tqdm or not ids)
-        done = 0
-        while done < len(ids):
-            for delta in self.engine.step():
-                if delta.request_id not in ids:
-                    continue
-                merged[delta.request_id] = merge_delta(merged.get(delta.request_id), delta)
-                if delta.finished:
-                    done += 1
+        while len(finals) < len(ids):
+            for out in self.engine.step():
+                i = ids.get(out.request_id)
+                if i is not None and out.finished:
+                    finals[i] = out
                     bar.update(1)
         bar.close()
-        return {ids[rid]: out for rid, out in merged.items()}
+        return finals
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

@@ -1,4 +1,5 @@
-"""What the engine hands back: one ``RequestOutput`` per request per step (a delta)."""
+"""What the engine hands back: ``RequestOutput``s, per step (deltas, cumulative) or at the end
+(final only), as the request's ``SamplingParams.output_kind`` asks."""
 
 from __future__ import annotations
 
@@ -12,8 +13,10 @@ LogprobsDict = dict[int, float]
 class CompletionOutput:
     """One of the ``n`` sequences of a request.
 
-    In a delta, ``token_ids``/``text``/``logprobs`` hold only what is new since the last
-    output; ``cumulative_*`` fields are totals.
+    In a delta (``RequestOutputKind.DELTA``), ``token_ids``/``text``/``logprobs`` hold only
+    what is new since the last output; ``cumulative_logprob`` and ``num_output_tokens`` are
+    totals. ``cumulative_logprob`` is None unless ``logprobs`` was asked for (as in vLLM):
+    the sampler computes no logprobs at all for the other requests.
     """
 
     index: int
@@ -22,7 +25,7 @@ class CompletionOutput:
     logprobs: list[LogprobsDict] | None = None
     finish_reason: str | None = None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None  # the stop string or stop token id that matched
-    cumulative_logprob: float = 0.0
+    cumulative_logprob: float | None = None
     num_output_tokens: int = 0
 
     @property

@@ -6,9 +6,25 @@ whose message names the field. Adapters turn that into a 400 / InvalidArgument.
 
 from __future__ import annotations
 
+import enum
+
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each ``RequestOutput`` of a request holds (vLLM's values).
+
+    CUMULATIVE: everything so far, every step. DELTA: only what is new since the last output
+    (the default here: the streaming adapters and ``AsyncEngine`` merge deltas).
+    FINAL_ONLY: one output, when the request finishes, holding everything; ``LLM.generate``
+    uses it so the engine builds no per-step outputs.
+    """
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 class SamplingParams(BaseModel):
@@ -38,6 +54,7 @@ class SamplingParams(BaseModel):
     use_beam_search: bool = False
     beam_width: int = Field(1, ge=1, le=64)
     length_penalty: float = 1.0
+    output_kind: RequestOutputKind = RequestOutputKind.DELTA
 
     @field_validator("stop", mode="before")
     @classmethod

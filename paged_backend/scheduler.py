@@ -12,28 +12,38 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.request import Request, RequestStatus
 
+_new_tokens_of = attrgetter("num_new_tokens")
 
-@dataclass
+
 class ScheduledRequest:
-    """What the model runner needs to compute for one request this step."""
+    """What the model runner needs to compute for one request this step.
 
-    request: Request
-    start_pos: int  # == num_computed_tokens before this step
-    num_new_tokens: int
-    block_ids: list[int]
+    A snapshot taken when scheduled: ``token_ids`` (the tokens to compute) and ``samples``
+    (this step reaches the request's last known token: its logits are sampled) are plain
+    attributes, so the runner's per-request reads cost no Python call.
+    """
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.request.all_token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
+    __slots__ = ("request", "start_pos", "num_new_tokens", "block_ids", "token_ids", "samples")
 
-    @property
-    def samples(self) -> bool:
-        """True when this step reaches the request's last known token: its logits are sampled."""
-        return self.start_pos + self.num_new_tokens == self.request.num_tokens
+    def __init__(self, request: Request, start_pos: int, num_new_tokens: int, block_ids: list[int],
+                 samples: bool | None = None) -> None:
+        self.request = request
+        self.start_pos = start_pos  # == num_computed_tokens before this step
+        self.num_new_tokens = num_new_tokens
+        self.block_ids = block_ids
+        end = start_pos + num_new_tokens
+        all_ids = request.all_token_ids
+        self.token_ids: list[int] = all_ids[start_pos:end]
+        self.samples: bool = end == len(all_ids) if samples is None else samples
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request.request_id!r}, start_pos={self.start_pos}, "
+                f"num_new_tokens={self.num_new_tokens}, blocks={self.block_ids})")
 
 
 @dataclass
@@ -44,7 +54,7 @@ class SchedulerOutput:
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(map(_new_tokens_of, self.scheduled))
 
     @property
     def is_empty(self) -> bool:
@@ -69,6 +79,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._step = 0  # counts schedule() calls; marks which requests this step already took
 
     # -- queue management -------------------------------------------------------------
 
@@ -111,29 +122,40 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.max_num_batched_tokens
-        scheduled_ids: set[str] = set()
+        self._step = step = self._step + 1
+        # the running loop is the per-step cost of every decode: plain attributes, no helpers
+        running, kv, chunked = self.running, self.kv, self.chunked
+        scheduled, block_ids, quiet_end = out.scheduled, kv.req_block_ids, kv.quiet_end
 
         i = 0
-        while i < len(self.running) and budget > 0:
-            req = self.running[i]
-            num_new = self._num_new_tokens(req, budget)
-            if num_new == 0:
+        while i < len(running) and budget > 0:
+            req = running[i]
+            start = req.num_computed_tokens
+            num_new = len(req.all_token_ids) - start
+            samples = True  # this step reaches the last known token
+            if num_new > budget:
+                if not chunked:
+                    i += 1
+                    continue
+                num_new, samples = budget, False
+            if num_new <= 0:
                 i += 1
                 continue
-            while True:
-                if self.kv.allocate_slots(req, num_new) is not None:
-                    break
-                victim = max(self.running, key=lambda r: (r.arrival_time, r.request_id))
-                if victim.request_id in scheduled_ids:
-                    # never preempt what this step already computes: preempt req instead
-                    victim = req
-                self._preempt(victim, out)
+            # most decode steps write into the current block without filling it: no KV call
+            if start + num_new >= quiet_end.get(req.request_id, 0) and kv.allocate_slots(req, num_new) is None:
+                while True:
+                    victim = max(running, key=lambda r: (r.arrival_time, r.request_id))
+                    if victim.scheduled_step == step:
+                        # never preempt what this step already computes: preempt req instead
+                        victim = req
+                    self._preempt(victim, out)
+                    if victim is req or kv.allocate_slots(req, num_new) is not None:
+                        break
                 if victim is req:
-                    break
-            if req.status != RequestStatus.RUNNING:
-                continue  # req itself was preempted; the list shifted, i stays
-            out.scheduled.append(self._record(req, num_new))
-            scheduled_ids.add(req.request_id)
+                    continue  # req itself was preempted; the list shifted, i stays
+            req.num_computed_tokens = start + num_new
+            req.scheduled_step = step
+            scheduled.append(ScheduledRequest(req, start, num_new, block_ids[req.request_id][:], samples))
             budget -= num_new
             i += 1
 
@@ -153,6 +175,7 @@ class Scheduler:
                     req.num_cached_tokens = num_cached
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
+                req.scheduled_step = step
                 self.running.append(req)
                 out.scheduled.append(self._record(req, num_new))
                 budget -= num_new

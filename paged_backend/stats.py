@@ -5,8 +5,10 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 logger = logging.getLogger("paged_backend")
+_computed = attrgetter("num_computed_tokens")
 
 
 @dataclass
@@ -46,7 +48,9 @@ class EngineStats:
             self.peak_kv_usage = usage
             allocated = kv.allocated_slots()
             if allocated:
-                filled = sum(min(r.num_computed_tokens, r.num_tokens) for r in scheduler.running)
+                # computed tokens never exceed known ones (the scheduler schedules at most
+                # num_tokens - num_computed), so this counts the filled slots; C-level sum
+                filled = sum(map(_computed, scheduler.running))
                 self.peak_kv_waste = max(0.0, 1.0 - filled / allocated)
         now = time.monotonic()
         if self.interval and now - self._last_log >= self.interval:

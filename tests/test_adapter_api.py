@@ -32,6 +32,7 @@ def test_fields_become_sampling_params():
     ({"logprobs": 99}, "logprobs"),
     ({"stop": [""]}, "stop"),
     ({"frobnicate": 1}, "frobnicate"),
+    ({"output_kind": "final_only"}, "output_kind"),
 ])
 def test_bad_fields_name_the_field(fields, param):
     with pytest.raises(AdapterError) as ei:

@@ -194,7 +194,7 @@ class AllocatorMachine(RuleBasedStateMachine):
             assert self.mgr.num_blocks_of(rid) == 0
         for rid, req in self.running.items():
             block_ids = self.mgr.get_block_ids(rid)
-            assert len(block_ids) == _cdiv(req.num_computed_tokens, BS)
+            assert len(block_ids) == _cdiv(req.num_computed_tokens, BS) == self.mgr.num_blocks_of(rid)
             for pos in range(req.num_computed_tokens):
                 assert self.slots[block_ids[pos // BS]][pos % BS] == req.all_token_ids[pos], (rid, pos)
 

@@ -300,3 +300,26 @@ def test_capacity_helpers() -> None:
     assert mgr.reset_prefix_cache() is True
     assert mgr.get_computed_blocks(make_request("b", list(range(17)))) == ([], 0)
     assert mgr.get_block_ids("a") == []
+
+
+def test_block_ids_are_a_snapshot_kept_in_step_with_the_blocks() -> None:
+    """``get_block_ids`` reads an id list the manager maintains: a copy, right after every change."""
+    mgr = KVCacheManager(num_blocks=11, block_size=BS)
+    a = make_request("a", list(range(20)))
+    assert schedule(mgr, a) == [1, 2]
+    ids = mgr.get_block_ids("a")
+    ids.append(99)  # the caller's copy
+    for t in range(13):  # decode into block 2 (fast path), then one more block
+        a.append_output_token(700 + t)
+        mgr.allocate_slots(a, 1)
+        a.num_computed_tokens += 1
+    assert ids == [1, 2, 99] and mgr.get_block_ids("a") == [1, 2, 3]
+    child = make_request("c", a.all_token_ids)
+    child.num_computed_tokens = a.num_computed_tokens
+    mgr.fork(a, child)
+    child.append_output_token(5)
+    assert mgr.allocate_slots(child, 1) == []  # copy-on-write of the shared partial block 3
+    assert mgr.get_block_ids("c") == [1, 2, 4] and mgr.get_block_ids("a") == [1, 2, 3]
+    for req in (a, child):
+        mgr.free(req)
+        assert mgr.get_block_ids(req.request_id) == [] and mgr.num_blocks_of(req.request_id) == 0

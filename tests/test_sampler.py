@@ -17,6 +17,7 @@ from paged_backend.sampler import (
     SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
+    fast_greedy_from,
     seeded_generator,
 )
 from paged_backend.sampling import (
@@ -256,6 +257,53 @@ def test_greedy_is_argmax(device: str) -> None:
     assert out.logprobs == [None] * 5
     expected = torch.log_softmax(logits, -1).max(-1).values.tolist()
     assert out.sampled_logprobs == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_greedy_fast_path_equals_the_full_sampler(device: str, dtype: torch.dtype) -> None:
+    logits = random_logits(7, 300, seed=3, device=device).to(dtype)
+    logits[2, 10] = logits[2, 200] = logits[2].max() + 1  # a tie: both take the first index
+    params = [SamplingParams(temperature=0.0, top_k=3)] * 7
+    fast = Sampler.greedy(logits)
+    assert fast == Sampler()(logits, meta_for(params)).sampled_token_ids
+    assert fast == logits.float().argmax(-1).tolist() and fast[2] == 10
+    assert all(isinstance(t, int) for t in fast)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"temperature": 0.0}, 0),
+        ({"temperature": 0.0, "top_p": 0.5, "top_k": 3, "seed": 1}, 0),  # no effect on greedy rows
+        ({"temperature": 0.7}, None),
+        ({"temperature": 0.0, "logprobs": 0}, None),
+        ({"temperature": 0.0, "repetition_penalty": 1.1}, None),
+        ({"temperature": 0.0, "presence_penalty": 0.5}, None),
+        ({"temperature": 0.0, "min_tokens": 4}, 4),  # bans EOS until then
+        ({"temperature": 0.0, "min_tokens": 4, "ignore_eos": True}, 0),  # bans nothing
+        ({"temperature": 0.0, "min_tokens": 4, "ignore_eos": True, "stop_token_ids": [7]}, 4),
+    ],
+)
+def test_fast_greedy_from(kwargs: dict, expected: int | None) -> None:
+    assert fast_greedy_from(SamplingParams(**kwargs), (EOS,)) == expected
+
+
+def test_fast_greedy_rows_match_the_full_sampler_once_min_tokens_is_reached() -> None:
+    """Where ``fast_greedy_from`` allows the fast path, the full sampler's token is the argmax."""
+    logits = random_logits(4, 50, seed=8)
+    eos = int(logits[0].argmax())  # the argmax is an EOS id: banned while min_tokens is not reached
+    params = [SamplingParams(temperature=0.0, min_tokens=2)] * 4
+    outputs = [[], [5], [5, 6], [5, 6, 7]]
+    full = Sampler()(logits, meta_for(params, outputs=outputs, eos=(eos,))).sampled_token_ids
+    start = fast_greedy_from(params[0], (eos,))
+    assert start == 2
+    for row, out in enumerate(outputs):
+        argmax = int(logits[row].argmax())
+        if len(out) >= start:
+            assert full[row] == argmax
+        elif row == 0:
+            assert full[row] != argmax  # still banned: the fast path would have been wrong
 
 
 def _other_rows() -> list[SamplingParams]:

@@ -46,9 +46,10 @@ def test_sampling_parameters_json_like_vllm_backend():
 def test_model_json_uses_vllm_names_and_ignores_vllm_only_flags():
     cfg, ignored = engine_config_from_model_json({"model": "SmolLM2-135M-Instruct", "max_model_len": 512,
                                                   "kv_cache_dtype": "fp8", "enforce_eager": True,
-                                                  "gpu_memory_utilization": "0.5"})
+                                                  "trust_remote_code": True, "gpu_memory_utilization": "0.5"})
     assert (cfg.max_model_len, cfg.kv_cache_dtype, cfg.gpu_memory_utilization) == (512, "fp8", 0.5)
-    assert ignored == ["enforce_eager"]
+    assert cfg.enforce_eager  # a vLLM flag this engine honours
+    assert ignored == ["trust_remote_code"]
     with pytest.raises(AdapterError, match="unsupported engine arguments"):
         engine_config_from_model_json({"model": "m", "speculative_model": "x"})
     with pytest.raises(AdapterError) as ei:
