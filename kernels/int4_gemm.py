@@ -1,28 +1,42 @@
 """W4A16 GEMM in Triton: int4 weights dequantized in registers, fp32 accumulation.
 
-Weights in the layout of ``int4_gemm_ref`` (int32 [K/8, N] packed along K, per-group scales and
-uint8 zeros, optional act-order permutation of the activation columns). Each program owns a
-BLOCK_M x BLOCK_N tile of y and one of ``split_k`` slices of K::
+Weights in the kernel layout of ``int4_gemm_ref``: int32 [N, K/8] (each output column's nibbles
+contiguous along K), per-group scales [G, N] and uint8 zeros [G, N], optional act-order
+permutation ``perm`` of the activation columns (sorted at load, so groups are contiguous). Two
+kernels, chosen by ``Int4Config.path`` (``default_config`` picks it from M):
 
-    for k-block in its slice:  x tile [BM, BK] (gathered through perm)   w = (q - z) * s  [BK, BN]
-                               acc += x @ w        (tl.dot; BLOCK_M < 16: broadcast-multiply-sum)
-    split_k = 1: y = acc + bias          split_k > 1: partial[split] = acc
-                                         then one reduce kernel: y = sum(partial) + bias
+``gemv`` (decode, one to four rows): no tensor cores. A program owns BLOCK_N output columns and
+one of ``split_k`` slices of K; per k-block (inside one group) it loads the [BLOCK_N, BLOCK_K/8]
+words (every row a contiguous run: 16-byte loads), the group's scale and zero rows once, and for
+each of the BLOCK_M activation rows::
 
-Split-K is the small-M (decode) path: with few rows there are too few (M, N) tiles to keep
-enough weight bytes in flight, so K is cut into slices that run in parallel; the fp32 partials
-are summed afterwards in a fixed order (deterministic, no atomics).
+    v_j = float(word & (0xF << 4j) | exponent bits of 2^(23 - 4j))   = 2^(23-4j) + q, one LOP3
+    t[n, w] = sum_j x[m, 8w + j] * (v_j - (2^(23-4j) + z[n]))       exact q - z: one FADD, one FFMA
+    acc[m][n, w] += s[n] * t[n, w]                                    reduced over w once, at the end
 
-Two compile-time variants of the weight load, both exact (``Int4Config.packed``):
+(nibbles 4..7 the same way from word >> 12). Everything stays in the layout of the loaded words
+(no shared-memory round trips), about 4.2 instructions per weight nibble for one row in the sm_90
+SASS. Act-order: the activations are gathered through ``perm`` in the kernel (``gather_x``; they
+are a few KB and cached), else one ``index_select`` first.
 
-- per-row: every row of the [BK, BN] tile loads its int32 word and shifts out its nibble
-  (8 rows share one word; the cache serves the repeats);
-- packed: the [BK/8, BN] words are loaded once and expanded to [BK/8, 8, BN] nibbles, then
-  reshaped to [BK, BN] (8x fewer load instructions).
+``dot`` (prefill, and decode batches from two rows): the same exact dequantization to q - z in
+bf16/fp16, the eight nibble planes joined into the [BLOCK_N, BLOCK_K] tile, one ``tl.dot`` per
+k-block with the group scale applied to the fp32 block product (``scale_after``: cheaper than
+scaling every weight when BLOCK_M < BLOCK_K, and W is never rounded) or folded into the weights
+before the dot (the reference's rounding). ``swap_ab`` computes y^T = W^T x^T, so the weight tile
+is the MMA's M side and a few tokens fill its N side. Act-order: one ``x.index_select(1, perm)``
+before the launch.
 
-When ``group_size`` is a multiple of BLOCK_K a k-block lies in one group, so its scales and
-zeros are one [BN] row each instead of a [BK, BN] gather. ``Int4Config`` holds the tile
-choice; ``default_config`` picks it from M (the bench's ``--sweep`` is how it was chosen).
+Split-K (both paths), ``Int4Config.reduce``:
+
+- ``last``: programs write fp32 partials; the last program of a tile to finish (an atomic
+  ticket per tile) sums them in a fixed order, adds the bias, writes y and resets the ticket:
+  one launch, deterministic. Tickets live in a per-device int32 buffer made once (zeroed) and
+  left at zero by every launch, so the kernel is CUDA-graph capturable; launches on one device
+  must not run concurrently on different streams (they share the tickets).
+- ``kernel``: the partials are summed by a second small kernel (two launches).
+
+No host synchronisation anywhere; per call the host allocates y (and the partials) and launches.
 """
 
 from __future__ import annotations
@@ -35,120 +49,425 @@ import triton
 import triton.language as tl
 from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tensor, dot_dtype, interpreting
 
+PATHS = ("gemv", "dot")
+REDUCES = ("last", "kernel")
+TICKETS = 1 << 16  # split-K tickets per device (tiles per launch); larger grids use reduce="kernel"
+_EXPONENT_BITS = tuple((127 + p) << 23 for p in (23, 19, 15, 11, 7))  # float bits of 2^p (see _nibble)
+
 
 @dataclass(frozen=True)
 class Int4Config:
-    """One launch configuration of the W4A16 kernel (``split_k=None``: chosen from the grid)."""
+    """One launch configuration (``split_k=None``: chosen from the grid by ``pick_split_k``)."""
 
-    block_m: int = 16
-    block_n: int = 64
-    block_k: int = 128
+    path: str = "gemv"  # "gemv" (FMA, 1/2/4 rows per program) or "dot" (tensor cores)
+    block_m: int = 1  # activation rows per program
+    block_n: int = 128  # output columns per program
+    block_k: int = 128  # k per step; capped at the group size's largest power-of-two factor
     split_k: int | None = None
     num_warps: int = 4
-    num_stages: int = 3
-    packed: bool = False
+    num_stages: int = 2  # dot: software pipeline depth; gemv: >= 2 prefetches the next k-block
+    reduce: str = "last"  # split-K: "last" program sums the partials, or a "kernel" after
+    swap_ab: bool = False  # dot path: y^T = W^T x^T
+    gather_x: bool = True  # gemv path with act-order: gather x through perm in the kernel (else index_select)
+    scale_after: bool | None = None  # dot path; None: block_m < block_k
+
+    def __post_init__(self) -> None:
+        if self.path not in PATHS:
+            raise ValueError(f"Int4Config.path must be one of {PATHS}, got {self.path!r}")
+        if self.reduce not in REDUCES:
+            raise ValueError(f"Int4Config.reduce must be one of {REDUCES}, got {self.reduce!r}")
+        for name in ("block_m", "block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise ValueError(f"Int4Config.{name} must be a power of two, got {v}")
+        if self.block_k < 8:
+            raise ValueError(f"Int4Config.block_k must be >= 8, got {self.block_k}")
+        if self.path == "dot" and min(self.block_m, self.block_n, self.block_k) < 16:
+            raise ValueError("Int4Config: the dot path needs block_m, block_n, block_k >= 16")
 
     def label(self) -> str:
         sk = "auto" if self.split_k is None else str(self.split_k)
-        return (f"bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{sk} w{self.num_warps} "
-                f"s{self.num_stages}{' packed' if self.packed else ''}")
+        extra = ""
+        if self.path == "dot":
+            extra = (" swap" if self.swap_ab else "") + {None: "", True: " post", False: " pre"}[self.scale_after]
+        return (f"{self.path} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{sk} "
+                f"w{self.num_warps} s{self.num_stages} {self.reduce}{extra}")
+
+
+# -- kernels ------------------------------------------------------------------------------------
 
 
 @triton.jit
-def _int4_gemm_kernel(
+def _nibble(words, w12, j: tl.constexpr, e):
+    """Nibble j of int32 words as the fp32 2^p + q, exact, in one LOP3: the nibble stays where it
+    is (bit 4j of the word, or bit 4(j - 3) of ``w12 = words >> 12`` for j >= 4) and ``e`` (the
+    float bits of 2^p, p = 23 - that bit) makes its lowest bit the units place."""
+    if j < 4:
+        bits = (words & (0xF << (4 * j))) | e
+    else:
+        bits = (w12 & (0xF << (4 * (j - 3)))) | e
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_words(rows, kw, mask_n, k_end, EVEN_K: tl.constexpr):
+    """int32 [BN, W] words ``kw`` of the rows (0 outside N / past k_end); EVEN_K: no K mask, so
+    every row's W words are 16-byte loads."""
+    if EVEN_K:
+        return tl.load(rows + kw[None, :], mask=mask_n[:, None], other=0)
+    return tl.load(rows + kw[None, :], mask=mask_n[:, None] & (kw * 8 < k_end)[None, :], other=0)
+
+
+@triton.jit
+def _x_row(x_ptr, perm_ptr, row, M, stride_xm, kw, mask_k, X_MODE: tl.constexpr):
+    """x[row, 8 kw + j] for j = 0..7 as eight fp32 [W] vectors (0 past K or for rows >= M).
+    X_MODE 0: bf16 pairs (one 32-bit load per two values, shifted into fp32 bits), 1: fp16 pairs,
+    2: one load per value (fp32 activations), 3: gathered through ``perm`` (act-order)."""
+    mask = mask_k & (tl.zeros_like(kw) + row < M)  # (a tensor: the interpreter rejects scalar masks)
+    if X_MODE < 2:
+        x32 = (x_ptr + row * stride_xm).to(tl.pointer_type(tl.int32)) + kw * 4
+        p0 = tl.load(x32, mask=mask, other=0)
+        p1 = tl.load(x32 + 1, mask=mask, other=0)
+        p2 = tl.load(x32 + 2, mask=mask, other=0)
+        p3 = tl.load(x32 + 3, mask=mask, other=0)
+        if X_MODE == 0:  # bf16 -> fp32 is the 16 bits moved up
+            x0 = (p0 << 16).to(tl.float32, bitcast=True)
+            x1 = (p0 & -65536).to(tl.float32, bitcast=True)
+            x2 = (p1 << 16).to(tl.float32, bitcast=True)
+            x3 = (p1 & -65536).to(tl.float32, bitcast=True)
+            x4 = (p2 << 16).to(tl.float32, bitcast=True)
+            x5 = (p2 & -65536).to(tl.float32, bitcast=True)
+            x6 = (p3 << 16).to(tl.float32, bitcast=True)
+            x7 = (p3 & -65536).to(tl.float32, bitcast=True)
+        else:
+            x0 = p0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x1 = (p0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x2 = p1.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x3 = (p1 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x4 = p2.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x5 = (p2 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x6 = p3.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+            x7 = (p3 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    else:
+        base = x_ptr + row * stride_xm
+        k = kw * 8
+        if X_MODE == 3:
+            x0 = tl.load(base + tl.load(perm_ptr + k, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
+            x1 = tl.load(base + tl.load(perm_ptr + k + 1, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(base + tl.load(perm_ptr + k + 2, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
+            x3 = tl.load(base + tl.load(perm_ptr + k + 3, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
+            x4 = tl.load(base + tl.load(perm_ptr + k + 4, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
+            x5 = tl.load(base + tl.load(perm_ptr + k + 5, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
+            x6 = tl.load(base + tl.load(perm_ptr + k + 6, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
+            x7 = tl.load(base + tl.load(perm_ptr + k + 7, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
+        else:
+            x0 = tl.load(base + k, mask=mask, other=0.0).to(tl.float32)
+            x1 = tl.load(base + k + 1, mask=mask, other=0.0).to(tl.float32)
+            x2 = tl.load(base + k + 2, mask=mask, other=0.0).to(tl.float32)
+            x3 = tl.load(base + k + 3, mask=mask, other=0.0).to(tl.float32)
+            x4 = tl.load(base + k + 4, mask=mask, other=0.0).to(tl.float32)
+            x5 = tl.load(base + k + 5, mask=mask, other=0.0).to(tl.float32)
+            x6 = tl.load(base + k + 6, mask=mask, other=0.0).to(tl.float32)
+            x7 = tl.load(base + k + 7, mask=mask, other=0.0).to(tl.float32)
+    return x0, x1, x2, x3, x4, x5, x6, x7
+
+
+@triton.jit
+def _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7, xs):
+    """sum_j x_j[w] * (q_j - z) for one activation row: [BN, W] fp32 (the nibbles are re-derived per
+    row; ptxas keeps them when registers allow)."""
+    x0, x1, x2, x3, x4, x5, x6, x7 = xs
+    t = (_nibble(words, w12, 0, e23) - c23) * x0[None, :]
+    t += (_nibble(words, w12, 1, e19) - c19) * x1[None, :]
+    t += (_nibble(words, w12, 2, e15) - c15) * x2[None, :]
+    t += (_nibble(words, w12, 3, e11) - c11) * x3[None, :]
+    t += (_nibble(words, w12, 4, e19) - c19) * x4[None, :]
+    t += (_nibble(words, w12, 5, e15) - c15) * x5[None, :]
+    t += (_nibble(words, w12, 6, e11) - c11) * x6[None, :]
+    t += (_nibble(words, w12, 7, e7) - c7) * x7[None, :]
+    return t
+
+
+@triton.jit
+def _dequant_tile(words, z, s, e23, e19, e15, e11, e7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SCALE: tl.constexpr, DTYPE: tl.constexpr):
+    """int32 words [BN, BK/8] -> [BN, BK] in DTYPE: q - z (exact in bf16/fp16), times ``s`` when
+    SCALE (then rounded once, as the reference). The eight nibble planes are joined so that
+    column k = 8w + j, every join adding an in-thread dimension (no data movement)."""
+    w12 = words >> 12
+    q0 = _nibble(words, w12, 0, e23) - (z + 8388608.0)
+    q1 = _nibble(words, w12, 1, e19) - (z + 524288.0)
+    q2 = _nibble(words, w12, 2, e15) - (z + 32768.0)
+    q3 = _nibble(words, w12, 3, e11) - (z + 2048.0)
+    q4 = _nibble(words, w12, 4, e19) - (z + 524288.0)
+    q5 = _nibble(words, w12, 5, e15) - (z + 32768.0)
+    q6 = _nibble(words, w12, 6, e11) - (z + 2048.0)
+    q7 = _nibble(words, w12, 7, e7) - (z + 128.0)
+    if SCALE:
+        q0 *= s
+        q1 *= s
+        q2 *= s
+        q3 *= s
+        q4 *= s
+        q5 *= s
+        q6 *= s
+        q7 *= s
+    q0 = q0.to(DTYPE)
+    q1 = q1.to(DTYPE)
+    q2 = q2.to(DTYPE)
+    q3 = q3.to(DTYPE)
+    q4 = q4.to(DTYPE)
+    q5 = q5.to(DTYPE)
+    q6 = q6.to(DTYPE)
+    q7 = q7.to(DTYPE)
+    # the first join is the slowest index: j = 4 * (first) + 2 * (second) + (third)
+    planes = tl.join(tl.join(tl.join(q0, q4), tl.join(q2, q6)), tl.join(tl.join(q1, q5), tl.join(q3, q7)))
+    return tl.reshape(planes, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _sum_partials(part_ptr, offs, mask, splits, stride_ps, total, CG: tl.constexpr):
+    """total + sum over s of partial[s] in the order s = 0, 1, ..: CHUNK independent loads are
+    in flight at a time (a plain loop would wait out one memory round trip per split)."""
+    CHUNK: tl.constexpr = 8
+    for s0 in range(0, splits, CHUNK):
+        for t in tl.static_range(CHUNK):
+            split = tl.zeros_like(offs) + s0 + t  # int64, like offs
+            ok = mask & (split < splits)  # past the last split: + 0.0, exact
+            if CG:  # written by other SMs during this launch: read through L2, never a stale L1 line
+                total += tl.load(part_ptr + split * stride_ps + offs, mask=ok, other=0.0, cache_modifier=".cg")
+            else:
+                total += tl.load(part_ptr + split * stride_ps + offs, mask=ok, other=0.0)
+    return total
+
+
+@triton.jit
+def _epilogue(acc, offs, mask, bias_offs, out_ptr, part_ptr, ticket_ptr, bias_ptr, tile, pid_k, splits,
+              stride_ps, REDUCE: tl.constexpr, HAS_BIAS: tl.constexpr):
+    """Stores a tile's fp32 ``acc`` (``offs`` = m * N + n): y directly (REDUCE 0), a split-K
+    partial (1: summed by ``_split_k_reduce_kernel``), or a partial + the last program's sum in
+    split order (2: the same bits as the reduce kernel)."""
+    if REDUCE == 0:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + bias_offs, mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        tl.store(part_ptr + pid_k.to(tl.int64) * stride_ps + offs, acc, mask=mask)
+        if REDUCE == 2:
+            tl.debug_barrier()  # every thread's partial is written before the ticket is taken
+            ticket = tl.atomic_add(ticket_ptr + tile, 1, sem="acq_rel", scope="gpu")
+            if ticket == splits - 1:  # the last program of this tile: all partials are visible
+                total = _sum_partials(part_ptr, offs, mask, splits, stride_ps, tl.zeros_like(acc), True)
+                if HAS_BIAS:
+                    total += tl.load(bias_ptr + bias_offs, mask=mask, other=0.0).to(tl.float32)
+                tl.store(out_ptr + offs, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(ticket_ptr + tile, 0, sem="relaxed", scope="gpu")  # ready for the next launch
+
+
+@triton.jit
+def _int4_gemv_kernel(
     x_ptr,  # [M, K]
-    qw_ptr,  # int32 [K/8, N]
+    qw_ptr,  # int32 [N, K/8]
     s_ptr,  # [G, N]
     z_ptr,  # uint8 [G, N]
-    perm_ptr,  # int32 [K]  (unused without HAS_PERM)
-    bias_ptr,  # [N]  (unused without HAS_BIAS)
-    out_ptr,  # [split_k, M, N]: fp32 partials when PARTIALS, else y [M, N] in x's dtype
+    perm_ptr,  # int32 [K] (X_MODE 3)
+    bias_ptr,  # [N] (unused without HAS_BIAS)
+    out_ptr,  # [M, N]
+    part_ptr,  # fp32 [splits, M, N] (REDUCE > 0)
+    ticket_ptr,  # int32 [m_tiles * n_tiles] (REDUCE 2)
     M,
     N,
     K,
     group_size,
     k_per_split,  # multiple of BLOCK_K
+    splits,
     stride_xm,
-    stride_qk,
+    stride_qn,
     stride_sg,
     stride_zg,
-    stride_os,
-    stride_om,
+    stride_ps,
+    e23,  # float bits of 2^23, 2^19, .., 2^7 (arguments, not literals: ptxas then folds each
+    e19,  # nibble's mask and exponent into one LOP3 instead of re-materialising constants)
+    e15,
+    e11,
+    e7,
+    BLOCK_M: tl.constexpr,  # 1, 2 or 4 activation rows per program
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides group_size (or G = 1): one scale row per k-block
+    EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K (16-byte weight loads)
+    PREFETCH: tl.constexpr,  # load the next k-block's words before using this one's
+    X_MODE: tl.constexpr,  # see _x_row
+    REDUCE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)  # one tile (BLOCK_M >= M) unless a weird group size sent many rows here
+    W: tl.constexpr = BLOCK_K // 8
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_w = tl.arange(0, W)
+    m0 = pid_m * BLOCK_M
+    rows = qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    acc0 = tl.zeros((BLOCK_N, W), dtype=tl.float32)  # per output column and word column;
+    acc1 = tl.zeros((BLOCK_N, W), dtype=tl.float32)  # the sum over W happens once, at the end
+    acc2 = tl.zeros((BLOCK_N, W), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, W), dtype=tl.float32)
+    if PREFETCH:
+        words = _load_words(rows, tl.multiple_of(k_start // 8, W) + offs_w, mask_n, k_end, EVEN_K)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        kw = tl.multiple_of(k0 // 8, W) + offs_w
+        if PREFETCH:  # the next block's words are in flight while this one is computed
+            more = tl.zeros_like(offs_n) + k0 + BLOCK_K < k_end  # (uniform: keeps the 16-byte loads)
+            nxt = _load_words(rows, kw + W, mask_n & more, k_end, EVEN_K)
+        else:
+            words = _load_words(rows, kw, mask_n, k_end, EVEN_K)
+        g = k0 // group_size
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+        z = tl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)[:, None]
+        c23 = z + 8388608.0  # 2^p + z: _nibble's value minus this is q - z, exactly
+        c19 = z + 524288.0
+        c15 = z + 32768.0
+        c11 = z + 2048.0
+        c7 = z + 128.0
+        w12 = words >> 12
+        mask_k = kw * 8 < k_end
+        t = _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7,
+                       _x_row(x_ptr, perm_ptr, m0, M, stride_xm, kw, mask_k, X_MODE))
+        acc0 += t * s
+        if BLOCK_M > 1:
+            t = _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7,
+                           _x_row(x_ptr, perm_ptr, m0 + 1, M, stride_xm, kw, mask_k, X_MODE))
+            acc1 += t * s
+        if BLOCK_M > 2:
+            t = _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7,
+                           _x_row(x_ptr, perm_ptr, m0 + 2, M, stride_xm, kw, mask_k, X_MODE))
+            acc2 += t * s
+            t = _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7,
+                           _x_row(x_ptr, perm_ptr, m0 + 3, M, stride_xm, kw, mask_k, X_MODE))
+            acc3 += t * s
+        if PREFETCH:
+            words = nxt
+    offs_m = m0 + tl.arange(0, BLOCK_M)
+    sel = tl.arange(0, BLOCK_M)[:, None]
+    y = tl.where(sel == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
+    if BLOCK_M > 1:
+        y = tl.where(sel == 1, tl.sum(acc1, axis=1)[None, :], y)
+    if BLOCK_M > 2:
+        y = tl.where(sel == 2, tl.sum(acc2, axis=1)[None, :], y)
+        y = tl.where(sel == 3, tl.sum(acc3, axis=1)[None, :], y)
+    offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]  # (M * N may pass 2^31 in a long prefill)
+    mask = (offs_m < M)[:, None] & mask_n[None, :]
+    tile = pid_m * tl.num_programs(0) + pid_n
+    _epilogue(y, offs, mask, offs_n[None, :], out_ptr, part_ptr, ticket_ptr, bias_ptr, tile, pid_k, splits,
+              stride_ps, REDUCE, HAS_BIAS)
+
+
+@triton.jit
+def _int4_dot_kernel(
+    x_ptr,  # [M, K] (already permuted for act-order)
+    qw_ptr,  # int32 [N, K/8]
+    s_ptr,  # [G, N]
+    z_ptr,  # uint8 [G, N]
+    bias_ptr,  # [N] (unused without HAS_BIAS)
+    out_ptr,  # [M, N]
+    part_ptr,  # fp32 [splits, M, N] (REDUCE > 0)
+    ticket_ptr,  # int32 [m_tiles * n_tiles] (REDUCE 2)
+    M,
+    N,
+    K,
+    group_size,
+    k_per_split,
+    splits,
+    stride_xm,
+    stride_qn,
+    stride_sg,
+    stride_zg,
+    stride_ps,
+    e23,  # see _int4_gemv_kernel
+    e19,
+    e15,
+    e11,
+    e7,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    PARTIALS: tl.constexpr,
-    HAS_PERM: tl.constexpr,
+    BLOCK_K: tl.constexpr,  # divides group_size (or G = 1)
+    EVEN_K: tl.constexpr,
+    REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    GROUP_ALIGNED: tl.constexpr,  # group_size % BLOCK_K == 0: one group per k-block
-    PACKED: tl.constexpr,
-    USE_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr,
+    SCALE_AFTER: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 activations: full-precision tl.dot (not TF32)
 ):
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(0)  # fastest: the m tiles of one weight tile run together (L2 reuse)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_m = (pid_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    W: tl.constexpr = BLOCK_K // 8
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    offs_w = tl.arange(0, W)
+    rows = qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     for k0 in range(k_start, k_end, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < k_end
-        if HAS_PERM:
-            x_cols = tl.load(perm_ptr + offs_k, mask=mask_k, other=0).to(tl.int64)
+        kw = tl.multiple_of(k0 // 8, W) + offs_w
+        words = _load_words(rows, kw, mask_n, k_end, EVEN_K)
+        offs_k = tl.multiple_of(k0, BLOCK_K) + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None], other=0.0)
         else:
-            x_cols = offs_k.to(tl.int64)
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + x_cols[None, :],
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )
-        if PACKED:
-            offs_r = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # packed rows: 8 k each
-            words = tl.load(
-                qw_ptr + offs_r.to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
-                mask=(offs_r * 8 < k_end)[:, None] & mask_n[None, :],
-                other=0,
-            )
-            shifts = tl.arange(0, 8) * 4
-            q = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, (BLOCK_K, BLOCK_N))
+            x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < k_end)[None, :], other=0.0)
+        g = k0 // group_size
+        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)
+        w = _dequant_tile(words, z[:, None], s[:, None], e23, e19, e15, e11, e7, BLOCK_N, BLOCK_K,
+                          not SCALE_AFTER, DOT_DTYPE)
+        x = x.to(DOT_DTYPE)
+        if SCALE_AFTER:  # the block's fp32 product times the group's scale: W is never rounded
+            if SWAP_AB:
+                if IEEE:
+                    part = tl.dot(w, tl.trans(x), input_precision="ieee")
+                else:
+                    part = tl.dot(w, tl.trans(x))
+                acc += part * s[:, None]
+            else:
+                if IEEE:
+                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    part = tl.dot(x, tl.trans(w))
+                acc += part * s[None, :]
         else:
-            packed = tl.load(
-                qw_ptr + (offs_k // 8).to(tl.int64)[:, None] * stride_qk + offs_n[None, :],
-                mask=mask_k[:, None] & mask_n[None, :],
-                other=0,
-            )
-            q = (packed >> ((offs_k % 8) * 4)[:, None]) & 0xF
-        if GROUP_ALIGNED:
-            g0 = (k0 // group_size).to(tl.int64)
-            s = tl.load(s_ptr + g0 * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g0 * stride_zg + offs_n, mask=mask_n, other=0).to(tl.int32)
-            w = ((q - z[None, :]).to(tl.float32) * s[None, :]).to(x_ptr.dtype.element_ty)
-        else:
-            mask_w = mask_k[:, None] & mask_n[None, :]
-            g = (offs_k // group_size).to(tl.int64)
-            s = tl.load(s_ptr + g[:, None] * stride_sg + offs_n[None, :], mask=mask_w, other=0.0).to(tl.float32)
-            z = tl.load(z_ptr + g[:, None] * stride_zg + offs_n[None, :], mask=mask_w, other=0).to(tl.int32)
-            w = ((q - z).to(tl.float32) * s).to(x_ptr.dtype.element_ty)  # rounded like the reference
-        if USE_DOT and IEEE:
-            acc += tl.dot(x.to(tl.float32), w.to(tl.float32), out_dtype=tl.float32, input_precision="ieee")
-        elif USE_DOT:
-            acc += tl.dot(x.to(DOT_DTYPE), w.to(DOT_DTYPE), out_dtype=tl.float32)
-        else:  # few rows: a broadcast multiply-sum (tl.dot needs 16 rows)
-            acc += tl.sum(x.to(tl.float32)[:, :, None] * w.to(tl.float32)[None, :, :], axis=1)
-    out_mask = mask_m[:, None] & mask_n[None, :]
-    out_offs = pid_k * stride_os + offs_m[:, None] * stride_om + offs_n[None, :]
-    if PARTIALS:
-        tl.store(out_ptr + out_offs, acc, mask=out_mask)
+            if SWAP_AB:
+                if IEEE:
+                    acc = tl.dot(w, tl.trans(x), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(w, tl.trans(x), acc)
+            else:
+                if IEEE:
+                    acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
+    tile = pid_m * tl.num_programs(1) + pid_n
+    if SWAP_AB:
+        offs = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        mask = mask_m[None, :] & mask_n[:, None]
+        bias_offs = offs_n[:, None]
     else:
-        if HAS_BIAS:
-            acc += tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=out_mask)
+        offs = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
+        mask = mask_m[:, None] & mask_n[None, :]
+        bias_offs = offs_n[None, :]
+    _epilogue(acc, offs, mask, bias_offs, out_ptr, part_ptr, ticket_ptr, bias_ptr, tile, pid_k, splits,
+              stride_ps, REDUCE, HAS_BIAS)
 
 
 @triton.jit
@@ -165,12 +484,13 @@ def _split_k_reduce_kernel(
 ):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in range(splits):  # fixed order: deterministic
-        acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+    acc = _sum_partials(part_ptr, offs, mask, splits, stride_ps, tl.zeros((BLOCK,), dtype=tl.float32), False)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+# -- planning -------------------------------------------------------------------------------------
 
 
 @functools.cache
@@ -186,44 +506,102 @@ def _device_index(device: torch.device) -> int | None:
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
-def pick_split_k(m: int, k: int, m_tiles: int, n_tiles: int, k_blocks: int, sms: int) -> int:
-    """K slices for a memory-bound launch: about four programs per SM (enough weight bytes in
-    flight), each slice at least two k-blocks, at most 16 slices, and the fp32 partials
-    (written and read back: 8 * splits * M * N bytes) at most the weight's K * N / 2 bytes."""
-    tiles = m_tiles * n_tiles
-    if tiles >= 4 * sms:
-        return 1
-    cap = min(16, k_blocks // 2, k // (16 * max(1, m)))
-    return max(1, min(triton.cdiv(4 * sms, tiles), cap))
+_TICKETS: dict[int | None, torch.Tensor] = {}
+
+
+def _tickets(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed split-K tickets (made once, kept forever: captured graphs point at
+    them); None while a CUDA graph is being captured before they exist (made outside a capture
+    only, so the zeroing really ran)."""
+    key = _device_index(device)
+    t = _TICKETS.get(key)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        t = _TICKETS[key] = torch.zeros(TICKETS, dtype=torch.int32, device=device)
+    return t
+
+
+def pick_split_k(m: int, k: int, tiles: int, k_blocks: int, sms: int, programs_per_sm: int = 4) -> int:
+    """K slices for a memory-bound launch: up to ``programs_per_sm`` programs per SM (enough weight
+    bytes in flight, in one wave), at most 32 slices and one k-block per slice, and the fp32 partials
+    (written and read back: 8 * splits * M * N bytes) at most half the weight's K * N / 2 bytes."""
+    cap = min(32, k_blocks, max(1, k // (32 * max(1, m))))
+    return max(1, min((programs_per_sm * sms) // tiles, cap))  # at most one wave: no straggler tail
+
+
+def pow2_factor(v: int) -> int:
+    """The largest power of two dividing v (v > 0)."""
+    return v & -v
 
 
 def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
-    """The launch configuration for an [m, k] x [k, n] product (split-K left to ``pick_split_k``)."""
+    """The launch configuration for an [m, k] x [k, n] product (split-K left to ``pick_split_k``).
+
+    One row: the FMA GEMV, 8 output columns per thread (the fewest instructions per weight,
+    ~4.2 per nibble in the sm_90 SASS). More rows: tensor cores, W^T x^T while the tokens fit
+    the MMA's N side (~4.6 per nibble, flat in M), x W with 128-row tiles beyond 64 tokens.
+    ``bench quant --sweep`` times these against the alternatives on the GPU."""
     if interpreting():  # small tiles keep the CPU interpreter fast
-        return Int4Config(block_m=16, block_n=64 if n > 32 else 32, block_k=32, num_stages=1)
+        if m <= 4:
+            return Int4Config("gemv", block_m=triton.next_power_of_2(m), block_n=32, block_k=32, num_stages=1)
+        return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
+    if m == 1:  # prefetch: a program's two or so k-blocks are in flight together
+        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2, num_stages=2)
     if m <= 16:
-        return Int4Config(block_m=16, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return Int4Config("dot", block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
     if m <= 32:
-        return Int4Config(block_m=32, block_n=64, block_k=128, num_warps=4, num_stages=3)
+        return Int4Config("dot", block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4, swap_ab=True)
     if m <= 64:
-        return Int4Config(block_m=64, block_n=128, block_k=64, num_warps=4, num_stages=3)
-    return Int4Config(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return Int4Config("dot", block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
+    return Int4Config("dot", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything a launch needs besides the tensors (cached per problem)."""
+
+    cfg: Int4Config
+    block_m: int
+    block_k: int
+    splits: int
+    k_per_split: int
+    grid: tuple[int, ...]
+    reduce: int  # 0: direct store, 1: partials + reduce kernel, 2: partials + last program
+    scale_after: bool
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, n: int, k: int, group_size: int, device_index: int | None,
-          config: Int4Config | None) -> tuple[Int4Config, int, int, tuple[int, int, int]]:
-    """(config, split_k, k_per_split, grid) for one problem; cached (the decode loop repeats shapes)."""
+def _plan(m: int, n: int, k: int, group_size: int, device_index: int | None, config: Int4Config | None) -> Plan:
     cfg = config or default_config(m, n, k, group_size)
-    m_tiles, n_tiles = triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n)
-    k_blocks = triton.cdiv(k, cfg.block_k)
+    aligned = group_size >= k  # one group: any k-block lies in it
+    block_k = cfg.block_k if aligned else min(cfg.block_k, pow2_factor(group_size))
+    path = cfg.path
+    if path == "dot" and block_k < 16:  # a group size with no 16-row blocks: the FMA path
+        path = "gemv"
+    if path != cfg.path:  # a group size with no 16-row blocks: the FMA path, tiles of 4 rows
+        cfg = replace(cfg, path=path, block_m=4)
+    block_m = min(cfg.block_m, 4) if path == "gemv" else cfg.block_m
+    m_tiles = triton.cdiv(m, block_m)
+    n_tiles = triton.cdiv(n, cfg.block_n)
+    k_blocks = triton.cdiv(k, block_k)
     split_k = cfg.split_k
     if split_k is None:
-        split_k = pick_split_k(m, k, m_tiles, n_tiles, k_blocks, _sm_count(device_index))
+        # resident programs per SM: 4 FMA programs (255 registers x 64 threads), 2 tensor-core ones
+        split_k = pick_split_k(m, k, m_tiles * n_tiles, k_blocks, _sm_count(device_index),
+                               programs_per_sm=4 if path == "gemv" else 2)
     split_k = max(1, min(int(split_k), k_blocks))
-    k_per_split = triton.cdiv(k_blocks, split_k) * cfg.block_k
+    k_per_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
-    return cfg, split_k, k_per_split, (m_tiles, n_tiles, split_k)
+    reduce = 0
+    if split_k > 1:
+        reduce = 2 if cfg.reduce == "last" and m_tiles * n_tiles <= TICKETS else 1
+    grid = (n_tiles, split_k, m_tiles) if path == "gemv" else (m_tiles, n_tiles, split_k)
+    scale_after = cfg.scale_after if cfg.scale_after is not None else block_m < block_k
+    return Plan(cfg, block_m, block_k, split_k, k_per_split, grid, reduce, scale_after)
+
+
+# -- launcher -------------------------------------------------------------------------------------
 
 
 def check_int4_weights(
@@ -233,11 +611,13 @@ def check_int4_weights(
     """Validates the kernel layout of one weight (ValueError/TypeError naming the tensor); returns
     the effective group size. Layers call this once at load and launch with ``check=False``."""
     device = qweight.device
-    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,))
-    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    check_tensor("qweight", qweight, ndim=2, dtypes=(torch.int32,), contiguous=True)
+    n, k = qweight.shape[0], qweight.shape[1] * 8
     group_size = k if group_size == -1 else int(group_size)
     if group_size <= 0 or k % group_size:
         raise ValueError(f"group_size {group_size} must divide K={k}")
+    if group_size < k and group_size % 8:
+        raise ValueError(f"group_size {group_size} must be a multiple of 8 (groups of whole int32 words)")
     groups = k // group_size
     check_tensor("scales", scales, shape=(groups, n), dtypes=FLOAT_DTYPES, device=device)
     check_tensor("zeros", zeros, shape=(groups, n), dtypes=(torch.uint8,), device=device)
@@ -250,7 +630,7 @@ def check_int4_weights(
 
 def int4_gemm(
     x: torch.Tensor,  # [M, K] fp16/bf16/fp32
-    qweight: torch.Tensor,  # int32 [K/8, N]
+    qweight: torch.Tensor,  # int32 [N, K/8]
     scales: torch.Tensor,  # [G, N]
     zeros: torch.Tensor,  # uint8 [G, N]
     group_size: int,
@@ -264,17 +644,18 @@ def int4_gemm(
 
     ``config=None`` uses ``default_config``; ``split_k`` overrides the config's (None: chosen
     from the grid). ``check=False`` skips the argument checks (weights checked at load with
-    ``check_int4_weights``; x must then be a contiguous [M, K] float tensor on their device).
+    ``check_int4_weights``; x must then be an [M, K] float tensor, contiguous along K, on their
+    device). Host work per call: the output (and split-K partials) allocation and the launch.
     """
     if check:
         check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
         device = check_device(x, "x")
         if x.shape[1] % 8:
             raise ValueError(f"K={x.shape[1]} must be a multiple of 8")
-        check_tensor("qweight", qweight, shape=(x.shape[1] // 8, None), dtypes=(torch.int32,), device=device)
+        check_tensor("qweight", qweight, shape=(None, x.shape[1] // 8), dtypes=(torch.int32,), device=device)
         group_size = check_int4_weights(qweight, scales, zeros, group_size, perm, bias)
     m, k = x.shape
-    n = qweight.shape[1]
+    n = qweight.shape[0]
     if group_size == -1:
         group_size = k
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -284,45 +665,51 @@ def int4_gemm(
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     if split_k is not None:
         config = replace(config or default_config(m, n, k, group_size), split_k=split_k)
-    cfg, splits, k_per_split, grid = _plan(m, n, k, group_size, _device_index(x.device), config)
-    dst = out if splits == 1 else torch.empty((splits, m, n), dtype=torch.float32, device=x.device)
-    _int4_gemm_kernel[grid](
-        x,
-        qweight,
-        scales,
-        zeros,
-        perm if perm is not None else qweight,
-        bias if bias is not None else scales,
-        dst,
-        m,
-        n,
-        k,
-        group_size,
-        k_per_split,
-        x.stride(0),
-        qweight.stride(0),
-        scales.stride(0),
-        zeros.stride(0),
-        dst.stride(0) if splits > 1 else 0,
-        dst.stride(-2),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        PARTIALS=splits > 1,
-        HAS_PERM=perm is not None,
-        HAS_BIAS=bias is not None,
-        GROUP_ALIGNED=group_size % cfg.block_k == 0,
-        PACKED=cfg.packed,
-        USE_DOT=cfg.block_m >= 16,
-        DOT_DTYPE=dot_dtype(x.dtype),
-        IEEE=x.dtype == torch.float32,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    if splits > 1:
+    plan = _plan(m, n, k, group_size, _device_index(x.device), config)
+    cfg = plan.cfg
+    reduce = plan.reduce
+    tickets = None
+    if reduce == 2:
+        tickets = _tickets(x.device)
+        if tickets is None:
+            reduce = 1
+    part = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device) if reduce else out
+    bias_arg = bias if bias is not None else scales
+    ticket_arg = tickets if tickets is not None else qweight
+    if cfg.path == "gemv":
+        if perm is not None and not cfg.gather_x:
+            x, perm = x.index_select(1, perm), None
+        if perm is not None:
+            x_mode = 3
+        else:
+            pairs = x.stride(0) % 2 == 0 and x.data_ptr() % 4 == 0  # rows start on 32-bit words
+            x_mode = {torch.bfloat16: 0, torch.float16: 1}.get(x.dtype, 2) if pairs else 2
+        _int4_gemv_kernel[plan.grid](
+            x, qweight, scales, zeros, perm if perm is not None else qweight, bias_arg, out, part, ticket_arg,
+            m, n, k, group_size, plan.k_per_split, plan.splits,
+            x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
+            *_EXPONENT_BITS,
+            BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.block_k == 0,
+            PREFETCH=cfg.num_stages > 1, X_MODE=x_mode, REDUCE=reduce, HAS_BIAS=bias is not None,
+            num_warps=cfg.num_warps, num_stages=1,
+        )
+    else:
+        if perm is not None:
+            x = x.index_select(1, perm)  # one gather, then contiguous groups for the tiles
+        _int4_dot_kernel[plan.grid](
+            x, qweight, scales, zeros, bias_arg, out, part, ticket_arg,
+            m, n, k, group_size, plan.k_per_split, plan.splits,
+            x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
+            *_EXPONENT_BITS,
+            BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.block_k == 0,
+            REDUCE=reduce, HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, SCALE_AFTER=plan.scale_after,
+            DOT_DTYPE=dot_dtype(x.dtype), IEEE=x.dtype == torch.float32,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+    if reduce == 1:
         total, block = m * n, 1024
         _split_k_reduce_kernel[(triton.cdiv(total, block),)](
-            dst, bias if bias is not None else scales, out, total, n, splits, dst.stride(0),
+            part, bias_arg, out, total, n, plan.splits, part.stride(0),
             HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
         )
     return out

@@ -2,13 +2,19 @@
 
 The one layout every int4 format (AWQ, GPTQ, compressed-tensors) is repacked into at load::
 
-    qweight  int32 [K/8, N]   nibble j (bits 4j..4j+3) of qweight[r, n] = q[8r + j, n], 0..15
-    scales   float [G, N]     G = K / group_size (one group when group_size = K)
+    qweight  int32 [N, K/8]   nibble j (bits 4j..4j+3) of qweight[n, r] = q[8r + j, n], 0..15
+    scales   float [G, N]     G = K / group_size (one group when group_size = K); fp16/bf16 when
+                              that holds the checkpoint's scales exactly, else fp32
     zeros    uint8 [G, N]     0..16 (GPTQ v1 checkpoints can encode 16)
     perm     int32 [K] | None row k of W multiplies activation column perm[k] (act-order)
 
     W[k, n] = (q[k, n] - zeros[k // group_size, n]) * scales[k // group_size, n]   (fp32 math)
     y = x[:, perm] @ W (+ bias)
+
+Each output column's weights are contiguous along K (``qweight[n]`` is one row of packed
+words), so a GEMV program streams whole rows with coalesced loads and its reduction over K
+stays inside the thread; ``pack_int4``/``unpack_int4`` are the K-packed [K/8, N] words that
+GPTQ checkpoints store (the kernel layout is their transpose).
 """
 
 from __future__ import annotations
@@ -41,27 +47,48 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return q.reshape(r * PACK, n).to(torch.uint8)
 
 
+def pack_int4_kernel(q: torch.Tensor) -> torch.Tensor:
+    """int [K, N] values 0..15 -> the kernel's int32 [N, K/8] (contiguous)."""
+    return pack_int4(q).t().contiguous()
+
+
+def unpack_int4_kernel(qweight: torch.Tensor) -> torch.Tensor:
+    """The kernel's int32 [N, K/8] -> uint8 [K, N] (inverse of ``pack_int4_kernel``)."""
+    return unpack_int4(qweight.t())
+
+
+def compact_scales(scales: torch.Tensor) -> torch.Tensor:
+    """``scales`` in fp16 or bf16 when that dtype holds every value exactly (checkpoints store
+    fp16 or bf16 scales; the kernel reads fewer bytes and computes in fp32 either way), else fp32."""
+    s = scales.to(torch.float32)
+    for dtype in (torch.float16, torch.bfloat16):
+        narrow = s.to(dtype)
+        if torch.equal(narrow.to(torch.float32), s):
+            return narrow.contiguous()
+    return s.contiguous()
+
+
 def dequantize_int4_ref(
-    qweight: torch.Tensor,  # int32 [K/8, N]
+    qweight: torch.Tensor,  # int32 [N, K/8]
     scales: torch.Tensor,  # [G, N]
     zeros: torch.Tensor,  # uint8 [G, N]
     group_size: int,
     dtype: torch.dtype | None = None,
-) -> torch.Tensor:  # [K, N] in dtype (default: scales.dtype)
+) -> torch.Tensor:  # [K, N] in dtype (default: float32)
     """W = (q - z) * s per group, computed in float32 and rounded once to ``dtype``."""
-    q = unpack_int4(qweight)
+    q = unpack_int4_kernel(qweight)
     k = q.shape[0]
     group_size = k if group_size == -1 else group_size
     if k % group_size or scales.shape[0] != k // group_size:
         raise ValueError(f"K={k}, group_size={group_size} and scales {tuple(scales.shape)} disagree")
     z = zeros.to(torch.float32).repeat_interleave(group_size, dim=0)
     s = scales.to(torch.float32).repeat_interleave(group_size, dim=0)
-    return ((q.to(torch.float32) - z) * s).to(dtype or scales.dtype)
+    return ((q.to(torch.float32) - z) * s).to(dtype or torch.float32)
 
 
 def int4_gemm_ref(
     x: torch.Tensor,  # [M, K]
-    qweight: torch.Tensor,  # int32 [K/8, N]
+    qweight: torch.Tensor,  # int32 [N, K/8]
     scales: torch.Tensor,  # [G, N]
     zeros: torch.Tensor,  # uint8 [G, N]
     group_size: int,

@@ -4,7 +4,8 @@ For each K x N (Llama-3.1-8B's 4096 x 4096, 4096 x 14336, 14336 x 4096) and each
 256), in one process:
 
     bf16        torch.matmul(x, W.T): cuBLAS on the dense bf16 weight (the baseline)
-    int4        the Triton W4A16 kernel (kernels/int4_gemm.py), group 128, act-order off / on
+    int4        the Triton W4A16 kernel (kernels/int4_gemm.py), group 128, fp16 scales (as the
+                checkpoints store them), act-order off / on, ``default_config``
     fp8 token   torch._scaled_mm, e4m3 weight with per-channel scales, activations quantized per
                 token by kernels/fp8_quant.py (what FP8_DYNAMIC checkpoints run), M padded to 17
     fp8 tensor  same with one weight scale and a dynamic per-tensor activation scale (tensor-wise)
@@ -17,11 +18,14 @@ a failed check is reported and the variant is not timed. Times are medians of CU
 replays of back-to-back calls on rotating weight copies (>= 256 MB touched per replay, so the
 50 MB L2 cannot serve a rerun, and no host launch overhead): per-call GPU time.
 
-``--sweep`` then times the int4 kernel's tile / split-K / warps x stages choices per (shape, M)
-in three stages (tiles with automatic split-K, split-K counts on the best tile, warps x stages
-on the best of those), each config checked first, and prints the best per cell and a suggested
-``default_config`` per M bucket (the config with the smallest worst-case slowdown over the
-shapes). The summary table is printed last; ``--json`` writes every row.
+``--sweep`` then times, per (shape, M), the previous kernel with its default
+(kernels/int4_gemm_legacy.py, the "int4 legacy" column) and the new kernel's candidate configs
+(``sweep_candidates``: the FMA GEMV and the tl.dot paths, tiles, warps, stages, split-K
+reductions), then split-K counts on the two best; each config is checked first (a wrong or
+failing one is dropped, never timed). It prints the best per cell and a suggested
+``default_config`` per M (the config with the smallest worst-case slowdown over the shapes);
+``--sweep-budget`` caps its seconds (later candidates are skipped, defaults always run). The
+summary table is printed last; ``--json`` writes every row.
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", choices=["int4", "fp8"], default=None, help="only these weight types")
     p.add_argument("--sweep", action="store_true", help="also sweep the int4 kernel's launch configs")
     p.add_argument("--sweep-act-order", action="store_true", help="sweep with act-order on (default off)")
+    p.add_argument("--sweep-budget", type=float, default=240.0,
+                   help="seconds (from the start of the run) after which further sweep candidates are skipped")
     p.add_argument("--replays", type=int, default=20)
     p.add_argument("--json", default=None, help="write every row here as JSON")
     p.add_argument("--device", default="cuda",
@@ -139,29 +145,37 @@ def copies_for(nbytes: int, cuda: bool = True) -> int:
 
 @dataclasses.dataclass
 class Int4Weight:
-    qweight: Any
+    qweight: Any  # int32 [N, K/8], the kernel layout
     scales: Any
     zeros: Any
     perm: Any
     group_size: int
+    legacy_qweight: Any = None  # int32 [K/8, N] for kernels/int4_gemm_legacy.py (made on demand)
 
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros)
                    if t is not None) + (self.perm.numel() * 4 if self.perm is not None else 0)
 
+    def legacy(self):
+        if self.legacy_qweight is None:
+            from paged_backend.kernels.int4_gemm_legacy import legacy_layout
+
+            self.legacy_qweight = legacy_layout(self.qweight)
+        return self.legacy_qweight
+
 
 def make_int4(k: int, n: int, group_size: int, act_order: bool, seed: int, dev) -> Int4Weight:
-    """Random nibbles, zero points near 8, scales ~ 1 / (8 sqrt(K)) (outputs of order one)."""
+    """Random nibbles, zero points near 8, fp16 scales ~ 1 / (8 sqrt(K)) (outputs of order one)."""
     import torch
 
     from paged_backend.quantization.int4 import random_int32
 
     gen = torch.Generator(device=dev).manual_seed(seed)
     g = k // (k if group_size == -1 else group_size)
-    qweight = random_int32((k // 8, n), gen, dev)
+    qweight = random_int32((n, k // 8), gen, dev)
     zeros = torch.randint(6, 11, (g, n), generator=gen, device=dev, dtype=torch.uint8)
-    scales = (torch.rand(g, n, generator=gen, device=dev) + 0.5) / (8 * math.sqrt(k))
+    scales = ((torch.rand(g, n, generator=gen, device=dev) + 0.5) / (8 * math.sqrt(k))).to(torch.float16)
     perm = torch.randperm(k, generator=gen, device=dev).to(torch.int32) if act_order else None
     return Int4Weight(qweight, scales, zeros, perm, group_size)
 
@@ -194,6 +208,7 @@ class QuantBench:
         self.rows: list[dict[str, Any]] = []
         self.sweep_rows: list[dict[str, Any]] = []
         self.failures: list[str] = []
+        self.sweep_t0 = time.time()  # --sweep-budget counts from the start of the run
 
     def record(self, **row: Any) -> dict[str, Any]:
         self.rows.append(row)
@@ -256,34 +271,46 @@ class QuantBench:
         return xs @ wd
 
     def _int4_cell(self, x, ws: list[Int4Weight], k: int, n: int, m: int, act_order: bool, bf16_us: float,
-                   config=None, variant: str | None = None, ref=None) -> dict[str, Any] | None:
+                   config=None, variant: str | None = None, ref=None, legacy: bool = False) -> dict[str, Any] | None:
+        """Checks then times one int4 variant: ``config=None`` is the default (recorded, a failure
+        counts), a config is a sweep candidate (returned, dropped when wrong or failing),
+        ``legacy`` the previous kernel with its default (recorded)."""
+        from paged_backend.kernels import int4_gemm_legacy
         from paged_backend.kernels.int4_gemm import _device_index, _plan, int4_gemm
 
         variant = variant or ("int4 act-order" if act_order else "int4")
         name = f"{variant} {k}x{n} M={m}" + (f" [{config.label()}]" if config else "")
+        recorded = config is None
+
+        def call(w: Int4Weight, check: bool):
+            if legacy:
+                return int4_gemm_legacy.int4_gemm(x, w.legacy(), w.scales, w.zeros, w.group_size, w.perm, check=check)
+            return int4_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, w.perm, config=config, check=check)
+
         w0 = ws[0]
         try:
-            got = int4_gemm(x, w0.qweight, w0.scales, w0.zeros, w0.group_size, w0.perm, config=config)
+            got = call(w0, True)
             err = rel_err(got, self._int4_ref(x, w0) if ref is None else ref)
         except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
             print(f"  {name}: {type(e).__name__}: {str(e).splitlines()[0][:160]}", flush=True)
-            if config is None:  # the default config must work; a swept one may not
+            if recorded:  # the defaults must work; a swept config may not
                 self.failures.append(name)
             return None
-        if config is None:
+        if recorded:
             if not self.check(name, err, INT4_TOL):
                 return None
         elif err >= INT4_TOL:
             print(f"  {name}: rel err {err:.2e} -> dropped", flush=True)
             return None
-        us = self.timer([lambda w=w: int4_gemm(x, w.qweight, w.scales, w.zeros, w.group_size, w.perm,
-                                                  config=config, check=False) for w in ws], self.args.replays)
-        cfg, splits, _, _ = _plan(m, n, k, w0.group_size, _device_index(x.device), config)
+        us = self.timer([lambda w=w: call(w, False) for w in ws], self.args.replays)
+        if legacy:
+            label = f"legacy {int4_gemm_legacy.default_config(m, n, k, w0.group_size).label()}"
+        else:
+            plan = _plan(m, n, k, w0.group_size, _device_index(x.device), config)
+            label = f"{plan.cfg.label()} -> split {plan.splits}"
         row = dict(kind="int4", variant=variant, K=k, N=n, M=m, us=us, weight_GBps=w0.nbytes / (us * 1e3),
-                   speedup=bf16_us / us, config=f"{cfg.label()} -> split {splits}", act_order=act_order)
-        if config is None:
-            return self.record(**row)
-        return row
+                   speedup=bf16_us / us, config=label, act_order=act_order)
+        return self.record(**row) if recorded else row
 
     # -- fp8 -----------------------------------------------------------------------------------
 
@@ -331,43 +358,50 @@ class QuantBench:
     # -- int4 sweep ------------------------------------------------------------------------------
 
     def _sweep_cell(self, x, ws: list[Int4Weight], k: int, n: int, m: int, bf16_us: float) -> None:
-        from paged_backend.kernels.int4_gemm import Int4Config, default_config
+        from paged_backend.kernels.int4_gemm import default_config
 
         act_order = ws[0].perm is not None
         ref = self._int4_ref(x, ws[0])
         t0 = time.time()
         results: list[dict[str, Any]] = []
+        skipped = 0
 
-        def trial(cfg: Int4Config) -> dict[str, Any] | None:
+        def trial(cfg) -> None:
+            nonlocal skipped
             if any(r["cfg"] == cfg for r in results):
-                return next(r for r in results if r["cfg"] == cfg)
+                return
+            if time.time() - self.sweep_t0 > self.args.sweep_budget:
+                skipped += 1
+                return
             r = self._int4_cell(x, ws, k, n, m, act_order, bf16_us, config=cfg, variant="sweep", ref=ref)
-            if r is None:
-                return None
-            r["cfg"] = cfg
-            results.append(r)
-            return r
+            if r is not None:
+                r["cfg"] = cfg
+                results.append(r)
 
-        default = trial(default_config(m, n, k, k if ws[0].group_size == -1 else ws[0].group_size))
-        for cfg in tile_candidates(m):  # stage 1: tiles, automatic split-K
+        legacy = self._int4_cell(x, ws, k, n, m, act_order, bf16_us, variant="int4 legacy", legacy=True)
+        gs = k if ws[0].group_size == -1 else ws[0].group_size
+        trial(default_config(m, n, k, gs))
+        for cfg in sweep_candidates(m):  # stage 1: kernels, tiles, warps, stages (automatic split-K)
             trial(cfg)
-        best = min(results, key=lambda r: r["us"])["cfg"]
-        for sk in split_candidates(m):  # stage 2: split-K counts on the best tile
-            trial(dataclasses.replace(best, split_k=sk))
-        best = min(results, key=lambda r: r["us"])["cfg"]
-        for w, s in ((4, 2), (4, 3), (4, 4), (8, 3), (8, 4)):  # stage 3: warps x stages
-            trial(dataclasses.replace(best, num_warps=w, num_stages=s))
+        for best in sorted(results, key=lambda r: r["us"])[:2]:  # stage 2: split-K on the two best
+            for sk in split_candidates(m):
+                trial(dataclasses.replace(best["cfg"], split_k=sk))
+            trial(dataclasses.replace(best["cfg"], reduce="kernel"))
         results.sort(key=lambda r: r["us"])
         for r in results:
             self.sweep_rows.append({key: v for key, v in r.items() if key != "cfg"} | {
                 "cfg": dataclasses.asdict(r["cfg"])})
-        top = results[0] if results else None
-        if top is None:
-            print(f"  sweep {k}x{n} M={m}: no config ran", flush=True)
+        note = f", {skipped} skipped (budget)" if skipped else ""
+        if not results:
+            print(f"  sweep {k}x{n} M={m}: no config ran{note}", flush=True)
             return
-        base = f"default {default['us']:.2f} us" if default else "default failed"
-        print(f"  sweep {k}x{n} M={m}: {len(results)} configs in {time.time() - t0:.0f} s; best {top['us']:.2f} us "
-              f"[{top['config']}] ({bf16_us / top['us']:.2f}x bf16), {base}", flush=True)
+        top = results[0]
+        default = next((r for r in self.rows if r["variant"] == ("int4 act-order" if act_order else "int4")
+                        and (r["K"], r["N"], r["M"]) == (k, n, m)), None)
+        base = (f"default {default['us']:.2f} us, " if default else "") + (
+            f"legacy {legacy['us']:.2f} us" if legacy else "legacy failed")
+        print(f"  sweep {k}x{n} M={m}: {len(results)} configs in {time.time() - t0:.0f} s{note}; best "
+              f"{top['us']:.2f} us [{top['config']}] ({bf16_us / top['us']:.2f}x bf16), {base}", flush=True)
 
     def suggested_defaults(self) -> dict[str, dict[str, Any]]:
         """Per M: the config whose worst slowdown against each shape's best is smallest."""
@@ -398,9 +432,19 @@ class QuantBench:
         for r in self.rows:
             cells.setdefault((r["K"], r["N"], r["M"]), {})[r["variant"]] = r
         cols = ["int4", "int4 act-order", "fp8 token", "fp8 tensor", "fp8 token nopad", "fp8 tensor nopad",
-                "fp8 gemm only"]
+                "fp8 gemm only", "int4 legacy"]
         cols = [c for c in cols if any(c in v for v in cells.values())]
         if self.sweep_rows:
+            best: dict[tuple[int, int, int], dict[str, Any]] = {}
+            for r in self.sweep_rows:
+                key = (r["K"], r["N"], r["M"])
+                if key not in best or r["us"] < best[key]["us"]:
+                    best[key] = r
+            legacy = {(r["K"], r["N"], r["M"]): r["us"] for r in self.rows if r["variant"] == "int4 legacy"}
+            print("\nbest int4 config per cell (vs the previous kernel's default):")
+            for (k, n, m), r in sorted(best.items()):
+                old = f", {legacy[k, n, m] / r['us']:.2f}x legacy" if (k, n, m) in legacy else ""
+                print(f"  {k}x{n} M={m}: {r['us']:.2f} us ({r['speedup']:.2f}x bf16{old}) [{r['config']}]")
             sug = self.suggested_defaults()
             print("\nsuggested int4 default_config per M (worst slowdown vs each shape's best):")
             for m, v in sug.items():
@@ -427,26 +471,36 @@ class QuantBench:
             print(f"\nCHECKS FAILED: {', '.join(self.failures)}")
 
 
-def tile_candidates(m: int) -> list[Any]:
-    """Stage-1 tiles for ``m`` rows (automatic split-K)."""
+def sweep_candidates(m: int) -> list[Any]:
+    """Stage-1 configs for ``m`` rows (automatic split-K): the FMA GEMV for up to four rows
+    (output columns per thread, warps, k-block, prefetch), the tl.dot path (W^T x^T for few
+    tokens, x W for many) with its tiles, warps and stages around each default."""
     from paged_backend.kernels.int4_gemm import Int4Config as C
 
+    def dot(bm, bn, bk, w, s, swap=True):
+        return C("dot", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap_ab=swap)
+
+    if m <= 4:
+        bm = 1 << (m - 1).bit_length()
+        gemv = [C("gemv", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
+                for bn, bk, w, s in ((128, 128, 2, 1), (256, 128, 4, 1), (64, 128, 1, 1), (128, 128, 4, 1),
+                                     (64, 128, 2, 1), (128, 64, 2, 1), (32, 128, 1, 1), (128, 128, 2, 2))]
+        return (gemv if m == 1 else gemv[:4]) + [dot(16, 128, 128, 4, 3), dot(16, 256, 128, 8, 3),
+                                                   dot(16, 64, 128, 4, 3)]
     if m <= 16:
-        out = [C(block_m=16, block_n=bn, block_k=bk, packed=p) for bn in (32, 64, 128) for bk in (128, 256)
-               for p in (False, True)]
-        if m <= 4:
-            out += [C(block_m=1 if m == 1 else 4, block_n=bn, block_k=bk, packed=True)
-                    for bn in (64, 128) for bk in (128, 256)]
-        return out
+        return [dot(16, 128, 128, 4, 3), dot(16, 256, 128, 8, 3), dot(16, 64, 128, 4, 3), dot(16, 128, 64, 4, 4),
+                dot(16, 128, 128, 8, 3), dot(16, 128, 128, 4, 4), dot(16, 128, 128, 4, 3, swap=False)]
     if m <= 64:
-        return [C(block_m=bm, block_n=bn, block_k=bk, packed=p) for bm in (32, 64) for bn in (64, 128)
-                for bk in (64, 128) for p in (False, True)]
-    return [C(block_m=bm, block_n=bn, block_k=64, packed=p, num_warps=8 if bm * bn >= 128 * 128 else 4)
-            for bm in (64, 128) for bn in (64, 128, 256) for p in (False, True) if bm * bn <= 128 * 256]
+        bm = 32 if m <= 32 else 64
+        return [dot(bm, 128, 128, 4, 3), dot(bm, 256, 128, 8, 3), dot(32, 128, 128, 4, 4), dot(bm, 128, 128, 8, 3),
+                dot(bm, 64, 128, 4, 4), dot(bm, 128, 128, 4, 3, swap=False), dot(bm, 128, 64, 4, 4, swap=False)]
+    return [dot(128, 128, 64, 8, 3, False), dot(128, 128, 128, 8, 3, False), dot(128, 256, 64, 8, 3, False),
+            dot(256, 128, 64, 8, 3, False), dot(64, 128, 64, 4, 4, False), dot(128, 64, 64, 4, 4, False),
+            dot(128, 128, 64, 4, 4, False), dot(128, 256, 64, 8, 3), dot(128, 128, 128, 8, 3)]
 
 
 def split_candidates(m: int) -> list[int]:
-    return [1, 2, 4, 8, 16] if m <= 16 else ([1, 2, 4, 8] if m <= 64 else [1, 2, 4])
+    return [1, 2, 4, 8, 16, 32] if m <= 16 else ([1, 2, 4, 8] if m <= 64 else [1, 2, 4])
 
 
 def run(args: argparse.Namespace) -> int:

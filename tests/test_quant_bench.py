@@ -15,8 +15,9 @@ from paged_backend.cli import build_parser
 
 @pytest.fixture
 def small_sweep(monkeypatch):
-    monkeypatch.setattr(bench_quant, "tile_candidates", lambda m: [
-        Int4Config(block_m=16, block_n=32, block_k=64, packed=True), Int4Config(block_m=1, block_n=32, block_k=32)])
+    monkeypatch.setattr(bench_quant, "sweep_candidates", lambda m: [
+        Int4Config("dot", block_m=16, block_n=32, block_k=64, swap_ab=True),
+        Int4Config("gemv", block_m=1 if m == 1 else 4, block_n=32, block_k=32)])
     monkeypatch.setattr(bench_quant, "split_candidates", lambda m: [1, 2])
 
 
@@ -32,11 +33,12 @@ def test_bench_quant_smoke_on_cpu(tmp_path, capsys, small_sweep):
         for v in ("bf16 cuBLAS", "int4", "int4 act-order", "fp8 token", "fp8 tensor", "fp8 token nopad",
                   "fp8 tensor nopad", "fp8 gemm only"):
             assert (v, m) in variants, (v, m)
+        assert ("int4 legacy", m) in variants  # --sweep times the previous kernel beside the new one
     int4 = next(r for r in data["rows"] if r["variant"] == "int4" and r["M"] == 1)
     assert int4["us"] > 0 and int4["speedup"] > 0 and "split" in int4["config"]
     sweep = data["sweep"]
     assert {r["M"] for r in sweep} == {1, 16} and all(r["us"] > 0 for r in sweep)
-    # tiles, the split counts on the best, then warps x stages; duplicates timed once
+    # the candidates, then split counts and the reduce kernel on the two best; duplicates timed once
     labels = [r["config"] for r in sweep if r["M"] == 1]
     assert len(labels) == len(set(labels)) >= 5
     assert set(data["suggested"]) == {"1", "16"}

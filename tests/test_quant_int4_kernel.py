@@ -1,6 +1,9 @@
-"""The Triton W4A16 kernel against the torch reference: small K/N under the CPU interpreter
-(every compile-time variant: packed / per-row weight loads, group-aligned or not, tl.dot or the
-few-row multiply-sum, split-K), full Llama-3.1-8B sizes on CUDA; and the reference against a
+"""The Triton W4A16 kernels against the torch reference: small K/N under the CPU interpreter (the
+issue's M grid, odd multiples of the group size, groups 32/64/128/-1, act-order on and off; then
+every compile-time variant: the FMA GEMV with 1/2/4 rows and each activation load mode, the
+tl.dot path with and without W^T x^T and with the scale before or after the dot, split-K through
+the reduce kernel and through the last program, uneven K, a group size without 16-row blocks),
+full Llama-3.1-8B sizes and CUDA-graph replays on CUDA; and the reference against a
 from-scratch per-element dequantization."""
 
 from __future__ import annotations
@@ -10,7 +13,15 @@ import functools
 
 import pytest
 import torch
-from paged_backend.kernels.int4_gemm_ref import dequantize_int4_ref, int4_gemm_ref, pack_int4, unpack_int4
+from paged_backend.kernels.int4_gemm_ref import (
+    compact_scales,
+    dequantize_int4_ref,
+    int4_gemm_ref,
+    pack_int4,
+    pack_int4_kernel,
+    unpack_int4,
+    unpack_int4_kernel,
+)
 
 
 def _random_int4(k: int, n: int, group_size: int, act_order: bool, dtype: torch.dtype, seed: int = 0):
@@ -20,12 +31,12 @@ def _random_int4(k: int, n: int, group_size: int, act_order: bool, dtype: torch.
     zeros = torch.randint(0, 17, (g, n), generator=gen).to(torch.uint8)  # 16: GPTQ v1's overflow zero
     scales = (torch.rand(g, n, generator=gen) * 0.02 + 0.005).to(dtype)
     perm = torch.randperm(k, generator=gen).to(torch.int32) if act_order else None
-    return pack_int4(q), q, scales, zeros, perm
+    return pack_int4_kernel(q), q, scales, zeros, perm
 
 
 def test_pack_unpack_roundtrip_and_bit_order():
     q = torch.arange(16).repeat(2).reshape(32, 1) % 16
-    packed = pack_int4(q)
+    packed = pack_int4(q)  # GPTQ's K-packed [K/8, N]
     assert packed.shape == (4, 1) and packed.dtype == torch.int32
     assert int(packed[0, 0]) == 0x76543210  # row 8r + j sits in nibble j, low nibble first
     assert torch.equal(unpack_int4(packed).long(), q)
@@ -33,11 +44,33 @@ def test_pack_unpack_roundtrip_and_bit_order():
         pack_int4(torch.zeros(12, 4, dtype=torch.int32))
 
 
+def test_kernel_layout_is_n_major_with_k_packed_words():
+    q = torch.randint(0, 16, (24, 5), generator=torch.Generator().manual_seed(0))
+    qw = pack_int4_kernel(q)
+    assert qw.shape == (5, 3) and qw.is_contiguous()
+    for n in (0, 4):
+        for k in (0, 7, 8, 23):
+            assert (int(qw[n, k // 8]) >> (4 * (k % 8))) & 0xF == int(q[k, n])
+    assert torch.equal(unpack_int4_kernel(qw).long(), q)
+
+
+def test_compact_scales_keeps_values_exactly():
+    fp16 = torch.tensor([[0.0125, 3.0]]).to(torch.float16).float()
+    assert compact_scales(fp16).dtype == torch.float16
+    bf16 = torch.tensor([[1e-30, 3.0]]).to(torch.bfloat16).float()  # below fp16's range
+    assert compact_scales(bf16).dtype == torch.bfloat16
+    fp32 = torch.tensor([[0.1, 3.0]])
+    assert compact_scales(fp32).dtype == torch.float32
+    for s in (fp16, bf16, fp32):
+        assert torch.equal(compact_scales(s).float(), s)
+
+
 @pytest.mark.parametrize("group_size", [32, -1])
 def test_reference_dequant_matches_elementwise_formula(group_size):
     k, n = 64, 24
     qweight, q, scales, zeros, _ = _random_int4(k, n, group_size, False, torch.float32)
     w = dequantize_int4_ref(qweight, scales, zeros, group_size)
+    assert w.shape == (k, n) and w.dtype == torch.float32
     gs = k if group_size == -1 else group_size
     for kk in (0, 7, 31, 33, 63):
         for nn in (0, 5, 23):
@@ -53,101 +86,140 @@ def test_reference_gemm_applies_perm_to_activations():
     torch.testing.assert_close(int4_gemm_ref(x, qweight, scales, zeros, 32, perm), x[:, perm.long()] @ w)
 
 
-# (M, K, N, group_size, act_order, dtype): odd multiples of the group size for K and N
+def _check(m, k, n, group_size, act_order, dtype, bias=True, config=None, seed=0, **kw):
+    from paged_backend.kernels.int4_gemm import int4_gemm
+
+    qweight, _, scales, zeros, perm = _random_int4(k, n, group_size, act_order, dtype, seed=seed + m + k)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    b = torch.randn(n).to(dtype) if bias else None
+    want = int4_gemm_ref(x.float(), qweight, scales, zeros, group_size, perm, b)
+    got = int4_gemm(x, qweight, scales, zeros, group_size, perm, b, config=config, **kw)
+    assert got.dtype == dtype and got.shape == (m, n)
+    # fp32 accumulation of exact (q - z) times the fp32 scale vs an fp32 reference: only the output
+    # rounding differs (bf16: 2^-8 relative; the scale-before-dot variant also rounds W, 2^-8)
+    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 2e-5}[dtype]
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    return got
+
+
+# (M, K, N, group_size, act_order, dtype): the issue's M grid; K and N odd multiples of the group
 CASES = [
     (1, 96, 160, 32, False, torch.float16),
+    (1, 192, 96, 64, True, torch.bfloat16),
+    (1, 384, 40, 128, True, torch.float16),
     (7, 96, 160, 32, True, torch.float16),
+    (7, 128, 72, -1, False, torch.float32),
     (16, 192, 96, 64, False, torch.bfloat16),
+    (16, 384, 24, 128, True, torch.float16),
     (64, 128, 96, 128, True, torch.bfloat16),
+    (64, 96, 40, 32, False, torch.float32),
     (256, 96, 40, -1, False, torch.float16),
-    (7, 128, 72, 64, True, torch.float32),
+    (256, 192, 24, 64, True, torch.bfloat16),
 ]
 
 
 @pytest.mark.parametrize("m,k,n,group_size,act_order,dtype", CASES)
-@pytest.mark.parametrize("bias", [False, True])
-def test_triton_int4_gemm_matches_reference(m, k, n, group_size, act_order, dtype, bias):
-    from paged_backend.kernels.int4_gemm import int4_gemm
-
-    qweight, _, scales, zeros, perm = _random_int4(k, n, group_size, act_order, dtype, seed=m + k)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(1)).to(dtype)
-    b = torch.randn(n).to(dtype) if bias else None
-    want = int4_gemm_ref(x.float(), qweight, scales, zeros, group_size, perm, b)
-    got = int4_gemm(x, qweight, scales, zeros, group_size, perm, b)
-    assert got.dtype == dtype and got.shape == (m, n)
-    # fp32 accumulation vs an fp32 reference of the same rounded operands; only output rounding differs
-    tol = {torch.float16: 2e-3, torch.bfloat16: 1.6e-2, torch.float32: 1e-5}[dtype]
-    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+def test_triton_int4_gemm_matches_reference(m, k, n, group_size, act_order, dtype):
+    _check(m, k, n, group_size, act_order, dtype, bias=m % 2 == 1)
 
 
-@pytest.mark.parametrize("split_k", [1, 2, 3, 5])
-def test_triton_split_k_paths_agree(split_k):
-    from paged_backend.kernels.int4_gemm import int4_gemm
+def _cfg(**kw):
+    from paged_backend.kernels.int4_gemm import Int4Config
 
-    k, n = 160, 48
-    qweight, _, scales, zeros, perm = _random_int4(k, n, 32, True, torch.float32, seed=3)
-    x = torch.randn(2, k, generator=torch.Generator().manual_seed(2))
-    b = torch.randn(n)
-    want = int4_gemm_ref(x, qweight, scales, zeros, 32, perm, b)
-    torch.testing.assert_close(int4_gemm(x, qweight, scales, zeros, 32, perm, b, split_k=split_k), want,
-                               rtol=1e-5, atol=1e-5)
+    return Int4Config(**kw)
 
 
-# (config, group_size): each kernel variant once; block_k 64 with group 32 is the per-row-group path
+# every compile-time variant once: (config, group_size, act_order, dtype, M)
 VARIANTS = [
-    (dict(block_m=16, block_n=32, block_k=64, packed=True), 64),
-    (dict(block_m=16, block_n=32, block_k=64, packed=True), 32),
-    (dict(block_m=16, block_n=64, block_k=64, packed=False), 32),
-    (dict(block_m=1, block_n=32, block_k=32, packed=False), 32),
-    (dict(block_m=4, block_n=32, block_k=64, packed=True), 32),
-    (dict(block_m=2, block_n=32, block_k=32, packed=True, split_k=3), -1),
+    # FMA GEMV: rows per program, activation loads (bf16 pairs, fp16 pairs, fp32, gathered)
+    (dict(path="gemv", block_m=1, block_n=32, block_k=32), 32, False, torch.bfloat16, 1),
+    (dict(path="gemv", block_m=2, block_n=16, block_k=64, num_stages=2), 64, False, torch.float16, 2),
+    (dict(path="gemv", block_m=4, block_n=32, block_k=32), 32, True, torch.bfloat16, 3),
+    (dict(path="gemv", block_m=4, block_n=16, block_k=64, num_stages=2), -1, False, torch.float32, 5),
+    (dict(path="gemv", block_m=1, block_n=32, block_k=64, gather_x=False), 64, True, torch.float16, 1),
+    # tensor cores: x W or W^T x^T, scale after or before the dot
+    (dict(path="dot", block_m=16, block_n=32, block_k=32), 32, True, torch.float16, 5),
+    (dict(path="dot", block_m=16, block_n=16, block_k=64, swap_ab=True), 64, False, torch.bfloat16, 9),
+    (dict(path="dot", block_m=32, block_n=16, block_k=32, swap_ab=True, scale_after=False), 32, True,
+     torch.bfloat16, 20),
+    (dict(path="dot", block_m=16, block_n=32, block_k=16, scale_after=False), -1, False, torch.float32, 17),
 ]
 
 
-@pytest.mark.parametrize("cfg,group_size", VARIANTS)
-@pytest.mark.parametrize("act_order", [False, True])
-def test_triton_kernel_variants_match_reference(cfg, group_size, act_order):
-    from paged_backend.kernels.int4_gemm import Int4Config, int4_gemm
-
-    k, n, m = 192, 96, 5
-    qweight, _, scales, zeros, perm = _random_int4(k, n, group_size, act_order, torch.float16, seed=7)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(4)).to(torch.float16)
-    b = torch.randn(n).to(torch.float16)
-    want = int4_gemm_ref(x.float(), qweight, scales, zeros, group_size, perm, b)
-    got = int4_gemm(x, qweight, scales, zeros, group_size, perm, b, config=Int4Config(**cfg))
-    torch.testing.assert_close(got.float(), want, rtol=2e-3, atol=2e-3)
+@pytest.mark.parametrize("cfg,group_size,act_order,dtype,m", VARIANTS)
+def test_triton_kernel_variants_match_reference(cfg, group_size, act_order, dtype, m):
+    _check(m, 192, 96, group_size, act_order, dtype, config=_cfg(**cfg), seed=7)
 
 
-def test_split_k_reduce_is_deterministic_and_adds_bias_once():
-    from paged_backend.kernels.int4_gemm import Int4Config, int4_gemm
+@pytest.mark.parametrize("path", ["gemv", "dot"])
+def test_split_k_reductions_agree_bit_for_bit_and_add_bias_once(path):
+    """Partials summed by the reduce kernel or by the tile's last program: the same fixed order,
+    so the same bits; with the bias added once; and the tickets are left at zero for the next launch."""
+    from paged_backend.kernels import int4_gemm as mod
 
-    k, n = 256, 40
+    k, n, m = 256, 40, 3
     qweight, _, scales, zeros, _ = _random_int4(k, n, 32, False, torch.float32, seed=5)
-    x = torch.randn(3, k, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(6))
     b = torch.full((n,), 100.0)
-    cfg = Int4Config(block_m=16, block_n=32, block_k=32, split_k=4)
-    a1 = int4_gemm(x, qweight, scales, zeros, 32, None, b, config=cfg)
-    a2 = int4_gemm(x, qweight, scales, zeros, 32, None, b, config=cfg)
-    assert torch.equal(a1, a2)
-    torch.testing.assert_close(a1 - 100.0, int4_gemm_ref(x, qweight, scales, zeros, 32), rtol=1e-4, atol=1e-4)
+    base = dict(path=path, block_m=4 if path == "gemv" else 16, block_n=16, block_k=32)
+    outs = {}
+    for reduce in ("last", "kernel"):
+        for split in (1, 3, 8):
+            outs[reduce, split] = mod.int4_gemm(x, qweight, scales, zeros, 32, None, b,
+                                                config=_cfg(**base, split_k=split, reduce=reduce))
+    assert torch.equal(outs["last", 3], outs["kernel", 3]) and torch.equal(outs["last", 8], outs["kernel", 8])
+    torch.testing.assert_close(outs["last", 8] - 100.0, int4_gemm_ref(x, qweight, scales, zeros, 32),
+                               rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(outs["last", 1], outs["last", 8], rtol=1e-5, atol=1e-4)
+    assert int(mod._TICKETS[None].abs().sum()) == 0
+
+
+def test_uneven_k_and_a_group_size_without_16_row_blocks():
+    """K not a multiple of the k-block (masked tail), and group 40 (k-blocks of 8: the dot path
+    falls back to the FMA kernel, 4 rows per program)."""
+    _check(5, 96, 24, -1, False, torch.float16, config=_cfg(path="dot", block_m=16, block_n=16, block_k=64))
+    _check(3, 96, 24, -1, True, torch.bfloat16, config=_cfg(path="gemv", block_m=4, block_n=16, block_k=64))
+    _check(6, 120, 24, 40, True, torch.float16, config=_cfg(path="dot", block_m=16, block_n=16, block_k=32))
 
 
 def test_pick_split_k():
     from paged_backend.kernels.int4_gemm import pick_split_k
 
-    # H200 (132 SMs), M = 1, BN = 64, BK = 128
-    assert pick_split_k(1, 4096, 1, 64, 32, 132) == 9  # 4096 x 4096: ~4 programs per SM
-    assert pick_split_k(1, 4096, 1, 224, 32, 132) == 3  # N = 14336
-    assert pick_split_k(1, 4096, 1, 600, 32, 132) == 1  # the tiles alone fill the GPU
-    assert pick_split_k(1, 512, 1, 4, 4, 132) == 2  # at least two k-blocks per slice
-    assert pick_split_k(1, 1 << 20, 1, 1, 8192, 132) == 16  # capped
-    assert pick_split_k(64, 4096, 1, 32, 64, 132) == 4  # partials no larger than the weight
-    assert pick_split_k(256, 4096, 4, 32, 64, 132) == 1
+    # H200 (132 SMs): up to four programs per SM, one wave
+    assert pick_split_k(1, 4096, 32, 32, 132) == 16  # 4096 x 4096, 128 columns a program
+    assert pick_split_k(1, 4096, 112, 32, 132) == 4  # N = 14336: 448 programs, not 560 (a 2nd wave)
+    assert pick_split_k(1, 4096, 600, 32, 132) == 1  # the tiles alone fill the GPU
+    assert pick_split_k(1, 512, 4, 4, 132) == 4  # at most one slice per k-block
+    assert pick_split_k(1, 1 << 20, 1, 8192, 132) == 32  # capped
+    assert pick_split_k(16, 4096, 32, 32, 132) == 8  # partials no larger than half the weight
+    assert pick_split_k(64, 4096, 32, 32, 132) == 2
+    assert pick_split_k(256, 4096, 64, 64, 132) == 1
 
 
-def test_triton_launcher_rejects_bad_arguments():
-    from paged_backend.kernels.int4_gemm import int4_gemm
+def test_default_config_paths():
+    from paged_backend.kernels import int4_gemm as mod
 
+    mod.interpreting = lambda: False  # the GPU defaults (restored below)
+    try:
+        assert mod.default_config(1, 4096, 4096, 128).path == "gemv"
+        assert {mod.default_config(m, 4096, 4096, 128).path for m in (7, 16, 64, 256)} == {"dot"}
+        assert mod.default_config(16, 4096, 4096, 128).swap_ab  # few tokens: the weight tile is MMA-M
+    finally:
+        del mod.interpreting
+        from paged_backend.kernels._launch import interpreting
+
+        mod.interpreting = interpreting
+
+
+def test_config_validation_and_launcher_errors():
+    from paged_backend.kernels.int4_gemm import Int4Config, int4_gemm
+
+    with pytest.raises(ValueError, match="path"):
+        Int4Config(path="marlin")
+    with pytest.raises(ValueError, match="power of two"):
+        Int4Config(block_n=48)
+    with pytest.raises(ValueError, match=">= 16"):
+        Int4Config(path="dot", block_m=8)
     qweight, _, scales, zeros, _ = _random_int4(64, 16, 32, False, torch.float32)
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="scales"):
@@ -158,13 +230,17 @@ def test_triton_launcher_rejects_bad_arguments():
         int4_gemm(x, qweight, scales, zeros, 48)
     with pytest.raises(ValueError, match="qweight"):
         int4_gemm(torch.randn(2, 72), qweight, scales, zeros, 32)
+    with pytest.raises(ValueError, match="qweight"):
+        int4_gemm(x, qweight.t().contiguous(), scales, zeros, 32)  # GPTQ's [K/8, N] is not the kernel layout
 
 
-# Full sizes on the GPU: the issue's M grid over Llama-3.1-8B's projections (group 128)
+# -- CUDA: full sizes (the issue's M grid over Llama-3.1-8B's projections, group 128) -------------
+
 CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size kernel test needs CUDA")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size kernel test needs CUDA")
+@cuda
 @pytest.mark.parametrize("k,n", CUDA_SHAPES)
 @pytest.mark.parametrize("m", [1, 7, 16, 64, 256])
 @pytest.mark.parametrize("act_order", [False, True])
@@ -172,23 +248,25 @@ def test_cuda_full_size_matches_reference(k, n, m, act_order):
     _check_cuda_case(m, k, n, 128, act_order, None)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size kernel test needs CUDA")
+@cuda
 @pytest.mark.parametrize("group_size", [32, 64, -1])
-@pytest.mark.parametrize("m", [1, 64])
-@pytest.mark.parametrize("packed", [False, True])
-def test_cuda_group_sizes_and_variants(group_size, m, packed):
-    from paged_backend.kernels.int4_gemm import Int4Config, default_config
+@pytest.mark.parametrize("m", [1, 2, 16, 64])
+@pytest.mark.parametrize("path", ["gemv", "dot"])
+def test_cuda_group_sizes_and_paths(group_size, m, path):
+    from paged_backend.kernels.int4_gemm import default_config
 
-    cfg = dataclasses.replace(default_config(m, 4096, 4096, 128), packed=packed)
-    _check_cuda_case(m, 4096, 4096, group_size, True, cfg)
-    if m == 1:  # the no-tl.dot path for single rows
-        _check_cuda_case(m, 4096, 4096, group_size, False, Int4Config(block_m=1, block_n=64, block_k=128,
-                                                                      packed=packed))
+    cfg = default_config(m, 4096, 4096, 128)
+    if cfg.path != path:
+        cfg = (_cfg(path="gemv", block_m=min(m, 4) if m <= 4 else 4, block_n=128, block_k=128, num_warps=2)
+               if path == "gemv" else _cfg(path="dot", block_m=16, block_n=128, block_k=128, swap_ab=True))
+    for act_order in (False, True):
+        for reduce in ("last", "kernel"):
+            _check_cuda_case(m, 4096, 4096, group_size, act_order, dataclasses.replace(cfg, reduce=reduce))
 
 
 @functools.lru_cache(maxsize=16)
 def _cuda_int4(k, n, group_size, act_order):
-    qweight, _, scales, zeros, perm = _random_int4(k, n, group_size, act_order, torch.float32, seed=k + n)
+    qweight, _, scales, zeros, perm = _random_int4(k, n, group_size, act_order, torch.float16, seed=k + n)
     return qweight.cuda(), scales.cuda(), zeros.cuda(), perm.cuda() if perm is not None else None
 
 
@@ -199,12 +277,38 @@ def _check_cuda_case(m, k, n, group_size, act_order, cfg):
     qweight, scales, zeros, perm = _cuda_int4(k, n, group_size, act_order)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)).to(dev, torch.bfloat16)
     bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
-    w = dequantize_int4_ref(qweight, scales, zeros, group_size, torch.bfloat16).float()  # the kernel's operands
+    w = dequantize_int4_ref(qweight, scales, zeros, group_size)  # fp32: the kernel never rounds W
     xs = x.float() if perm is None else x.float().index_select(1, perm.long())
     want = xs @ w + bias.float()
     got = int4_gemm(x, qweight, scales, zeros, group_size, perm, bias, config=cfg)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n) and torch.isfinite(got).all()
-    # fp32 accumulation of the same bf16 operands: the output's bf16 rounding dominates
+    # fp32 accumulation of exact operands: the output's bf16 rounding (2^-8 relative) dominates,
+    # plus W's bf16 rounding when the scale goes before the dot
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err < 4e-3, err
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@cuda
+@pytest.mark.parametrize("m", [1, 16])
+def test_cuda_graph_replays_match_eager(m):
+    """The split-K tickets make the launch self-resetting: a captured graph replayed many times
+    (and eager calls between replays) gives the eager result every time."""
+    from paged_backend.kernels.int4_gemm import int4_gemm
+
+    qweight, scales, zeros, perm = _cuda_int4(4096, 4096, 128, True)
+    x = torch.randn(m, 4096, device="cuda", dtype=torch.bfloat16)
+    want = int4_gemm(x, qweight, scales, zeros, 128, perm)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        int4_gemm(x, qweight, scales, zeros, 128, perm, check=False)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = int4_gemm(x, qweight, scales, zeros, 128, perm, check=False)
+    for _ in range(20):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, want)
+        assert torch.equal(int4_gemm(x, qweight, scales, zeros, 128, perm), want)

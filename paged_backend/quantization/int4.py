@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from paged_backend.kernels.int4_gemm_ref import int4_gemm_ref, pack_int4
+from paged_backend.kernels.int4_gemm_ref import compact_scales, int4_gemm_ref, pack_int4_kernel
 from paged_backend.quantization.base import LinearMethod, is_row_parallel, tp_world_size
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
@@ -106,12 +106,17 @@ class Int4LinearMethod(LinearMethod):
         scales: torch.Tensor,  # [G, N]
         g_idx: torch.Tensor | None,  # [K] or None (contiguous groups)
     ) -> None:
-        """Registers the kernel layout as buffers ``w4_qweight/w4_scales/w4_zeros/w4_perm``."""
+        """Registers the kernel layout as buffers ``w4_qweight/w4_scales/w4_zeros/w4_perm``.
+
+        Act-order (``g_idx`` not contiguous): the rows of q are sorted by group once here, so the
+        kernel sees contiguous groups (one scale row per k-block) and only the activations are
+        permuted per call (``x[:, perm]``: gathered in the GEMV kernel, one index_select before
+        the tensor-core kernel)."""
         perm = act_order_perm(g_idx, self.group_size, self.prefix) if g_idx is not None else None
         if perm is not None:
             q = q.index_select(0, perm.to(torch.long))
-        layer.register_buffer("w4_qweight", pack_int4(q).contiguous())
-        layer.register_buffer("w4_scales", scales.to(torch.float32).contiguous())
+        layer.register_buffer("w4_qweight", pack_int4_kernel(q))
+        layer.register_buffer("w4_scales", compact_scales(scales))
         layer.register_buffer("w4_zeros", zeros.to(torch.uint8).contiguous())
         layer.register_buffer("w4_perm", perm)
         self._check_kernel_layout(layer)
@@ -149,8 +154,8 @@ class Int4LinearMethod(LinearMethod):
         q_pad[dest] = q[order]
         gather = torch.full((used.numel() * gs,), k, dtype=torch.long, device=q.device)  # k: the zero column
         gather[dest] = order
-        layer.register_buffer("w4_qweight", pack_int4(q_pad).contiguous())
-        layer.register_buffer("w4_scales", scales[used].to(torch.float32).contiguous())
+        layer.register_buffer("w4_qweight", pack_int4_kernel(q_pad))
+        layer.register_buffer("w4_scales", compact_scales(scales[used]))
         layer.register_buffer("w4_zeros", zeros[used].to(torch.uint8).contiguous())
         layer.register_buffer("w4_perm", None)
         layer.register_buffer("w4_gather", gather)
