@@ -29,7 +29,7 @@ _ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "--quantization": (str, "awq | gptq | fp8 | compressed-tensors (checked against the checkpoint)"),
     "--load-format": (str, "auto | safetensors | dummy (random weights)"),
     "--attention-backend": (str, "auto | torch | triton"),
-    "--max-cudagraph-capture-size": (int, "largest decode batch run as a CUDA graph (default 512)"),
+    "--max-cudagraph-capture-size": (int, "largest decode batch run as a CUDA graph (default 1024, capped at --max-num-seqs)"),
     "--seed": (int, "engine seed"),
     "--served-model-name": (str, "name reported by the API"),
     "--log-stats-interval": (float, "seconds between stats lines (0: off)"),

@@ -39,7 +39,8 @@ class EngineConfig(BaseModel):
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = Field(False, description="never use CUDA graphs")
-    max_cudagraph_capture_size: int = Field(512, ge=1, description="largest decode batch captured as a CUDA graph")
+    max_cudagraph_capture_size: int = Field(1024, ge=1, description="largest decode batch captured as a CUDA graph "
+                                            "(capped at max_num_seqs)")
     seed: int = 0
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines; 0 = off")
     disable_log_stats: bool = False

@@ -96,11 +96,18 @@ def test_fits_reports_overflow():
     assert not b.fits(17, 2, 3) and not b.fits(4, 3, 1) and not b.fits(4, 1, 4)
 
 
-@pytest.mark.parametrize("cap, expect_tail", [(1, [1]), (6, [1, 2, 4, 6]), (20, [8, 16, 20]), (512, [504, 512])])
+@pytest.mark.parametrize("cap, expect_tail", [(1, [1]), (6, [1, 2, 4, 6]), (20, [8, 16, 20]), (256, [248, 256]),
+                                              (300, [288, 300]), (512, [496, 512]), (1024, [992, 1024])])
 def test_capture_sizes(cap, expect_tail):
     sizes = capture_sizes(cap)
     assert sizes == sorted(set(sizes)) and sizes[-1] == cap
     assert sizes[-len(expect_tail):] == expect_tail
+
+
+def test_capture_sizes_reach_1024_with_as_many_graphs_as_vllms_512():
+    sizes = capture_sizes(1024)
+    assert len(sizes) == 67 and {256, 272, 512, 544} <= set(sizes)
+    assert all(b - a == 32 for a, b in zip(sizes[sizes.index(512):], sizes[sizes.index(512) + 1:], strict=False))
 
 
 def test_bucket_is_the_smallest_size_that_fits():
