@@ -546,15 +546,19 @@ def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
         if m <= 4:
             return Int4Config("gemv", block_m=triton.next_power_of_2(m), block_n=32, block_k=32, num_stages=1)
         return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
-    if m == 1:  # prefetch: a program's two or so k-blocks are in flight together
-        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2, num_stages=2)
+    # the H200 sweep's picks (bench quant --sweep, docs/BENCHMARKS.md): within 1.01x / 1.10x /
+    # 1.22x / 1.57x of each shape's best at M = 1 / 16 / 64 / 256
+    if m == 1:
+        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2, num_stages=1)
     if m <= 16:
-        return Int4Config("dot", block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
+        return Int4Config("dot", block_m=16, block_n=128, block_k=128, split_k=8, num_warps=8, num_stages=3,
+                          swap_ab=True)
     if m <= 32:
         return Int4Config("dot", block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4, swap_ab=True)
     if m <= 64:
-        return Int4Config("dot", block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
-    return Int4Config("dot", block_m=128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return Int4Config("dot", block_m=64, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4,
+                          swap_ab=True)
+    return Int4Config("dot", block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4)
 
 
 @dataclass(frozen=True)
