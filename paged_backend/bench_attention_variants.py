@@ -31,6 +31,8 @@ import traceback
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from paged_backend.bench_kernels import capture_graph
+
 GIB = 1 << 30
 REF_SEQS = 8  # decode checks run the reference on this many requests of the timed batch
 
@@ -284,20 +286,7 @@ class VariantSweep:
                 graphs.append(None)
                 continue
             try:
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):  # warm the allocator / split counters outside the capture
-                    for f in fns:
-                        f()
-                torch.cuda.current_stream().wait_stream(side)
-                torch.cuda.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    for f in fns:
-                        f()
-                graph.replay()
-                torch.cuda.synchronize()
-                graphs.append(graph)
+                graphs.append(capture_graph(fns))  # warms the allocator / split counters first
             except Exception as e:
                 print(f"  graph capture failed: {type(e).__name__}: {str(e).splitlines()[0][:120]}", flush=True)
                 graphs.append(None)

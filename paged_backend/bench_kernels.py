@@ -30,6 +30,44 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+
+def capture_graph(fns):
+    """``fns`` warmed on a side stream (compiles, allocator), then captured back to back and replayed once."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in fns:
+            f()
+    graph.replay()
+    torch.cuda.synchronize()
+    return graph
+
+
+def time_graph_ms(fns, replays: int = 20) -> float:
+    """Median GPU time per call (ms) of ``fns`` captured back to back in one CUDA graph."""
+    import torch
+
+    graph = capture_graph(fns)
+    times = []
+    for _ in range(replays):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    times.sort()
+    del graph
+    return times[len(times) // 2] / len(fns)
+
 GIB = 1 << 30
 SWEEP_SPLITS = {(1, 32768), (8, 4096), (8, 32768)}  # decode cells where --sweep times split counts
 SWEEP_TILES = {(64, 4096)}  # ... and tile configs
@@ -106,30 +144,7 @@ class Bench:
 
     def time_graph_ms(self, fns, replays: int = 20) -> float:
         """Median time per call of ``fns`` captured back to back in one CUDA graph (no host overhead)."""
-        torch = self.torch
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
-            for f in fns:
-                f()
-        torch.cuda.current_stream().wait_stream(side)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for f in fns:
-                f()
-        graph.replay()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(replays):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        times.sort()
-        return times[len(times) // 2] / len(fns)
+        return time_graph_ms(fns, replays)
 
     def add(self, row: Row) -> Row:
         self.rows.append(row)

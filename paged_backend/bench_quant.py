@@ -89,32 +89,9 @@ def add_quant_parser(sub) -> None:
 
 def time_graph_us(fns, replays: int) -> float:
     """Median GPU time per call (us) of ``fns`` captured back to back in one CUDA graph."""
-    import torch
+    from paged_backend.bench_kernels import time_graph_ms
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm the allocator outside the capture
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in fns:
-            f()
-    graph.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    times.sort()
-    del graph
-    return 1000.0 * times[len(times) // 2] / len(fns)
+    return 1000.0 * time_graph_ms(fns, replays)
 
 
 def _time_cpu_us(fns, reps: int = 2) -> float:
