@@ -19,8 +19,14 @@ MIN_AMAX = 1e-12  # all-zero rows get a tiny positive scale (q = 0), never a div
 
 
 def fp8_scale_from_amax(amax: torch.Tensor) -> torch.Tensor:
-    """float32 scale that maps ``amax`` onto the largest e4m3 value."""
-    return amax.float().clamp_min(MIN_AMAX) / FP8_MAX
+    """float32 scale that maps ``amax`` onto the largest e4m3 value.
+
+    A tensor divisor, not the Python float: CUDA torch turns a division by a scalar into a
+    multiplication by its reciprocal, which can differ in the last bit from the IEEE division
+    that the CPU and the Triton kernel do (seen on the H200: scales 1 ulp apart).
+    """
+    amax = amax.float().clamp_min(MIN_AMAX)
+    return amax / torch.full_like(amax, FP8_MAX)
 
 
 def quantize_fp8_ref(

@@ -124,7 +124,8 @@ def run_throughput(args: argparse.Namespace) -> int:
                          kv_waste=round(engine.stats.peak_kv_waste, 4)))
     counts = getattr(engine.runner, "step_counts", None)
     if counts is not None:
-        print(f"forward passes: {counts['graph']} CUDA-graph replays, {counts['eager']} eager")
+        print(f"forward passes: {counts['graph']} CUDA-graph replays, {counts['eager']} eager; "
+              f"{engine.num_async_steps} steps sampled async")
     if len(rows) > 1:
         med = sorted(rows, key=lambda r: r["output_tok_s"])[len(rows) // 2]
         rows.append(dict(med, engine="paged-backend (median)", temperature="-"))

@@ -42,6 +42,8 @@ _ENGINE_BOOLS = {
     "--calculate-kv-scales": ("calculate_kv_scales", True),
     "--disable-log-stats": ("disable_log_stats", True),
     "--enforce-eager": ("enforce_eager", True),
+    "--async-scheduling": ("async_scheduling", True),
+    "--no-async-scheduling": ("async_scheduling", False),
 }
 
 

@@ -32,17 +32,20 @@ from paged_backend.errors import InvalidRequestError
 from paged_backend.kv_cache_manager import KVCacheManager
 from paged_backend.model_info import ModelInfo
 from paged_backend.model_loader import resolve_dtype
+from paged_backend.model_runner import ModelOutput
 from paged_backend.outputs import CompletionOutput, LogprobsDict, RequestOutput, Usage
 from paged_backend.request import Request, RequestStatus
 from paged_backend.sampler import (
+    DeviceSample,
     RowSpec,
     Sampler,
+    SamplerOutput,
     SamplingMetadata,
     compute_prompt_logprobs,
     fast_greedy_from,
 )
 from paged_backend.sampling_params import RequestOutputKind, SamplingParams
-from paged_backend.scheduler import Scheduler
+from paged_backend.scheduler import Scheduler, SchedulerOutput
 from paged_backend.stats import EngineStats
 from paged_backend.tp_executor import create_model_runner
 
@@ -90,6 +93,24 @@ class _Sample:
     text: str = ""
     cumulative_logprob: float = 0.0
     reported_finish: bool = False
+
+
+@dataclass(eq=False)
+class _Launched:
+    """A step whose forward pass is queued, with how its rows get their tokens.
+
+    Sampled on the host (``token_ids``), or still on the device (``tokens``, copied to the
+    engine's pinned buffer behind ``event``; ``device_sample`` when the full sampler ran).
+    """
+
+    sched: SchedulerOutput
+    out: ModelOutput
+    rows: list[tuple[_Group, _Sample]]
+    forking: list[_Group]
+    token_ids: list[int] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    device_sample: DeviceSample | None = None
+    event: torch.cuda.Event | None = None
 
 
 @dataclass(eq=False)
@@ -144,6 +165,14 @@ class LLMEngine:
         self.groups: dict[str, _Group] = {}
         self.samples: dict[str, tuple[_Group, _Sample]] = {}
         self._forking: set[str] = set()  # n > 1 requests whose samples have not forked yet
+        self.async_scheduling = config.async_scheduling
+        if self.async_scheduling is None:  # vLLM's default on one GPU; no gain where the host runs the model
+            self.async_scheduling = self.device.type == "cuda" and config.tensor_parallel_size == 1
+        elif self.async_scheduling and config.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
+        self._inflight: _Launched | None = None  # async: the step whose sampled ids are still on the device
+        self._host_tokens: torch.Tensor | None = None  # pinned landing buffer of those ids
+        self.num_async_steps = 0  # steps sampled on the device and processed one step later
         self.stats = EngineStats(interval=0 if config.disable_log_stats else config.log_stats_interval)
         capacity = (num_blocks - 1) * config.block_size
         logger.info(
@@ -292,37 +321,92 @@ class LLMEngine:
         return bool(self.groups)
 
     def step(self) -> list[RequestOutput]:
+        """One engine step; with async scheduling, the outputs of the step before it.
+
+        Async (``_inflight``): step t+1 is scheduled and its forward queued before step t's
+        sampled ids reach the host; only then does the host wait for them and process them,
+        while the device computes step t+1. A request that stops at step t has a row in
+        step t+1 whose token is dropped; one that reaches max_tokens is not scheduled again.
+        """
         sched = self.scheduler.schedule()
         if sched.preempted:
             self.stats.on_preemptions(len(sched.preempted))
+        prev, self._inflight = self._inflight, None
         if sched.is_empty:
-            return []
-        out = self.runner.execute(sched)
-        if out.prompt_logits:
-            self._collect_prompt_logprobs(out.prompt_logits)
-
-        # one row per sampled request, plus one per pending fork (n > 1: the children sample
-        # from their parent's prompt logits)
-        logits = out.logits
-        forking: list[_Group] = []
+            return self._finish(prev) if prev is not None else []
+        if prev is None:
+            out = self.runner.execute(sched)
+        else:
+            out = self.runner.execute(sched, ({rid: i for i, rid in enumerate(prev.out.sample_request_ids)},
+                                              prev.tokens))
+        # the rows before finishing ``prev``: a request it stops still has a row here (dropped later)
         if self._forking:
             rows, index, forking = self._rows_with_forks(out.sample_request_ids)
-            if index is not None:
-                logits = logits[torch.tensor(index, device=logits.device)]
         else:
             samples = self.samples
-            rows = [samples[rid] for rid in out.sample_request_ids]
+            rows, index, forking = [samples[rid] for rid in out.sample_request_ids], None, []
+        results = self._finish(prev) if prev is not None else []
+        launched = self._launch_sampling(_Launched(sched, out, rows, forking), index)
+        if launched.tokens is not None:
+            self._inflight = launched
+        else:
+            results += self._finish(launched)
+        return results
+
+    def _launch_sampling(self, launched: _Launched, index: list[int] | None) -> _Launched:
+        """Sample the step's rows (``index``: their logits rows when forks repeat some). Async:
+        queued on the device, ids copied to pinned host memory behind an event; otherwise
+        (async off, or samples still to fork) at once, on the host."""
+        logits, rows = launched.out.logits, launched.rows
         # every row plain greedy by now: argmax only (the per-row checks below are all it costs)
         fast = True
         for _, sample in rows:
             if sample.fast_from and len(sample.request.output_token_ids) < sample.fast_from:
                 fast = False
                 break
+        if not self.async_scheduling or launched.forking or not rows:
+            if index is not None:
+                logits = logits[torch.tensor(index, device=logits.device)]
+            launched.token_ids = self.sampler.greedy(logits) if fast else self._sample(rows, logits)
+            return launched
         if fast:
-            token_ids = self.sampler.greedy(logits)
+            tokens = logits.argmax(dim=-1)
         else:
-            token_ids = self._sample(rows, logits)
-        for group in forking:  # before the parent can finish and free its blocks
+            launched.device_sample = self._sampling_metadata_sample(rows, logits)
+            tokens = launched.device_sample.token_ids
+        n = tokens.shape[0]
+        host = self._host_tokens
+        if host is None or host.shape[0] < n:
+            host = self._host_tokens = torch.empty(max(n, self.max_num_seqs), dtype=torch.int64,
+                                                   pin_memory=tokens.device.type == "cuda")
+        host[:n].copy_(tokens, non_blocking=True)
+        if tokens.device.type == "cuda":
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        launched.tokens = tokens
+        self.num_async_steps += 1
+        for _, sample in rows:
+            sample.request.num_pending = 1
+        return launched
+
+    def _finish(self, launched: _Launched) -> list[RequestOutput]:
+        """Append a sampled step's tokens: stop checks, detokenization, outputs, frees."""
+        out, rows = launched.out, launched.rows
+        if launched.tokens is not None:  # async: wait for this step's ids now
+            if launched.event is not None:
+                launched.event.synchronize()
+            n = launched.tokens.shape[0]
+            if launched.device_sample is not None:
+                token_ids = self._record_logprobs(rows, self.sampler.to_output(launched.device_sample))
+            else:
+                token_ids = self._host_tokens[:n].tolist()
+            for _, sample in rows:
+                sample.request.num_pending = 0
+        else:
+            token_ids = launched.token_ids
+        if out.prompt_logits:
+            self._collect_prompt_logprobs(out.prompt_logits)
+        for group in launched.forking:  # before the parent can finish and free its blocks
             for child in group.pending_forks:
                 self._fork(group, child)
             group.pending_forks = []
@@ -334,6 +418,8 @@ class LLMEngine:
         ended: dict[str, _Group] = {}  # groups with a sample that finished this step
         for (group, sample), tok in zip(rows, token_ids, strict=True):
             req = sample.request
+            if req.is_finished:  # stopped or aborted while this step was in flight: dropped
+                continue
             out_ids = req.output_token_ids
             out_ids.append(tok)
             req.all_token_ids.append(tok)
@@ -350,7 +436,7 @@ class LLMEngine:
             if kind is not final_kind:
                 touched[group.prep.request_id] = group
 
-        self.stats.on_step(sched.num_tokens, len(rows), self.scheduler, self.kv)
+        self.stats.on_step(launched.sched.num_tokens, len(rows), self.scheduler, self.kv)
         results = [self._make_output(group) for group in touched.values()]
         for rid, group in ended.items():
             if not group.finished:
@@ -386,8 +472,8 @@ class LLMEngine:
                     index.append(i)
         return rows, index, forking
 
-    def _sample(self, rows: list[tuple[_Group, _Sample]], logits: torch.Tensor) -> list[int]:
-        """The full sampler; also records the sampled logprobs of the rows that asked for them."""
+    def _sampling_metadata_sample(self, rows: list[tuple[_Group, _Sample]], logits: torch.Tensor) -> DeviceSample:
+        """The full sampler, left on the device."""
         meta = SamplingMetadata(
             params=[s.request.sampling_params for _, s in rows],
             generators=[s.generator for _, s in rows],
@@ -396,9 +482,16 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             specs=[s.spec for _, s in rows],
         )
-        sampled = self.sampler(logits, meta)
+        return self.sampler.sample_tensors(logits, meta)
+
+    def _sample(self, rows: list[tuple[_Group, _Sample]], logits: torch.Tensor) -> list[int]:
+        """The full sampler, on the host at once; records the logprobs of the rows that asked."""
+        return self._record_logprobs(rows, self.sampler.to_output(self._sampling_metadata_sample(rows, logits)))
+
+    @staticmethod
+    def _record_logprobs(rows: list[tuple[_Group, _Sample]], sampled: SamplerOutput) -> list[int]:
         for (_, sample), lp, tops in zip(rows, sampled.sampled_logprobs, sampled.logprobs, strict=True):
-            if sample.wants_logprobs:
+            if sample.wants_logprobs and not sample.request.is_finished:
                 sample.cumulative_logprob += lp
                 sample.new_logprobs.append(tops)
         return sampled.sampled_token_ids

@@ -186,7 +186,13 @@ class ModelRunner:
         return self._overflow
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+    def execute(self, sched: SchedulerOutput, prev: tuple[dict[str, int], torch.Tensor] | None = None
+                ) -> ModelOutput:
+        """Queue the step's forward pass; the logits come back unsynchronized (device tensors).
+
+        ``prev`` (async scheduling): the sampled ids of the step still in flight and each
+        request's row in them, for the tokens scheduled before they were known.
+        """
         self.copy_blocks(sched.blocks_to_copy)
         builder = self._builder_for(sched)
         n_seqs = len(sched.scheduled)
@@ -197,12 +203,12 @@ class ModelRunner:
         window = getattr(self.model, "sliding_window", None)
         if bucket is not None:
             step = builder.build(sched, pad_to=bucket, max_seq_len_bound=self.limits.max_model_len,
-                                 sliding_window=window)
+                                 sliding_window=window, prev=prev)
             hidden = self.graphs.replay(bucket)
             self.step_counts["graph"] += 1
         else:
             self.step_counts["eager"] += 1
-            step = builder.build(sched, sliding_window=window)
+            step = builder.build(sched, sliding_window=window, prev=prev)
             hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
         rows = step.sample_rows
         if len(rows) == step.num_tokens:  # every row samples (decode): no gather

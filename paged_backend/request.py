@@ -69,6 +69,9 @@ class Request:
         # sha256 digests of the full blocks of all_token_ids, maintained by the KV manager
         self.block_hashes: list[bytes] = []
         self.scheduled_step = -1  # the scheduler's step counter when it was last scheduled
+        # async scheduling: 1 while a sampled token of this request is still on the device (its
+        # step is in flight); the scheduler counts it, the runner reads it from the device
+        self.num_pending = 0
         # set by the engine: index among the n samples, and the parent id (n > 1)
         self.sample_index = 0
         self.parent_id: str | None = None

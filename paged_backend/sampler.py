@@ -78,7 +78,7 @@ class Sampler:
             raise ValueError(f"logits {tuple(logits.shape)} vs {len(meta.params)} rows of metadata")
         if logits.shape[0] == 0:
             return SamplerOutput([], [], [])
-        return self._to_output(self.sample_tensors(logits, meta))
+        return self.to_output(self.sample_tensors(logits, meta))
 
     @staticmethod
     def greedy(logits: torch.Tensor) -> list[int]:
@@ -178,7 +178,7 @@ class Sampler:
         return DeviceSample(plan, token_ids, sampled_lp, top_ids, top_lp)
 
     @staticmethod
-    def _to_output(d: DeviceSample) -> SamplerOutput:
+    def to_output(d: DeviceSample) -> SamplerOutput:
         """ONE device->host transfer, then per-row Python objects."""
         tensors = [d.token_ids, d.sampled_logprobs]
         if d.top_ids is not None and d.top_logprobs is not None:

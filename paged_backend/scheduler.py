@@ -24,8 +24,10 @@ class ScheduledRequest:
     """What the model runner needs to compute for one request this step.
 
     A snapshot taken when scheduled: ``token_ids`` (the tokens to compute) and ``samples``
-    (this step reaches the request's last known token: its logits are sampled) are plain
-    attributes, so the runner's per-request reads cost no Python call.
+    (this step reaches the request's last token: its logits are sampled) are plain
+    attributes, so the runner's per-request reads cost no Python call. Under async
+    scheduling the last token may still be on the device (``request.num_pending``): it
+    shows as -1 in ``token_ids`` and the runner copies it from the previous step's sampled ids.
     """
 
     __slots__ = ("request", "start_pos", "num_new_tokens", "block_ids", "token_ids", "samples")
@@ -38,8 +40,12 @@ class ScheduledRequest:
         self.block_ids = block_ids
         end = start_pos + num_new_tokens
         all_ids = request.all_token_ids
-        self.token_ids: list[int] = all_ids[start_pos:end]
-        self.samples: bool = end == len(all_ids) if samples is None else samples
+        known = len(all_ids)
+        if end <= known:
+            self.token_ids: list[int] = all_ids[start_pos:end]
+        else:  # tokens sampled by the step in flight: placeholders
+            self.token_ids = all_ids[start_pos:] + [-1] * (end - known)
+        self.samples: bool = end == known + request.num_pending if samples is None else samples
 
     def __repr__(self) -> str:
         return (f"ScheduledRequest({self.request.request_id!r}, start_pos={self.start_pos}, "
@@ -128,11 +134,17 @@ class Scheduler:
         scheduled, block_ids, quiet_end = out.scheduled, kv.req_block_ids, kv.quiet_end
 
         i = 0
+        max_len = self.max_model_len
         while i < len(running) and budget > 0:
             req = running[i]
             start = req.num_computed_tokens
-            num_new = len(req.all_token_ids) - start
-            samples = True  # this step reaches the last known token
+            pending = req.num_pending
+            num_new = len(req.all_token_ids) + pending - start
+            if pending and (len(req.output_token_ids) + pending >= req.max_tokens
+                            or len(req.all_token_ids) + pending >= max_len):
+                i += 1  # the token in flight is its last: nothing more to compute
+                continue
+            samples = True  # this step reaches the last token
             if num_new > budget:
                 if not chunked:
                     i += 1
@@ -162,6 +174,8 @@ class Scheduler:
         if not out.preempted:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
+                if req.num_pending:  # preempted while its last token was in flight: next step
+                    break
                 computed, num_cached = [], 0
                 if req.sampling_params.prompt_logprobs is None:
                     computed, num_cached = self.kv.get_computed_blocks(req)

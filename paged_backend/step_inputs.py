@@ -7,6 +7,11 @@ buffers never move, so a CUDA graph captured over slices of them replays with th
 step's inputs (see ``cuda_graphs.py``). Rows past the step's requests are padding: one
 token at position 0 in no slot (``slot_mapping`` -1), length 1, reading the null block 0.
 
+Async scheduling: a token sampled by the step still in flight is -1 in the scheduled token
+ids; ``build`` copies it on the device from that step's sampled ids (``prev``), so the
+host never waits for it. The host buffers are rewritten only after the previous upload
+has left them (an event recorded after each upload).
+
 Index math (DESIGN.md's contract)::
 
     query_start_loc = [0, q0, q0+q1, ...]            seq_lens[i] = start_i + q_i
@@ -60,11 +65,17 @@ class StepInputBuilder:
         self.ids_np, self.pos_np, self.slots_np = self._h_ids.numpy(), self._h_pos.numpy(), self._h_slots.numpy()
         self.seq_lens_np, self.qsl_np, self.table_np = (
             self._h_seq_lens.numpy(), self._h_qsl.numpy(), self._h_table.numpy())
+        self._h_ph_rows = host((max_tokens,), torch.int64)  # placeholder rows and their source rows
+        self._h_ph_src = host((max_tokens,), torch.int64)
+        self._uploaded: torch.cuda.Event | None = None
         if pin:
+            self._ph_rows = torch.zeros_like(self._h_ph_rows, device=device)
+            self._ph_src = torch.zeros_like(self._h_ph_src, device=device)
             self.ids, self.pos, self.slots, self.seq_lens, self.qsl, self.table = (
                 torch.zeros_like(t, device=device) for t in
                 (self._h_ids, self._h_pos, self._h_slots, self._h_seq_lens, self._h_qsl, self._h_table))
         else:  # the CPU reads the host arrays themselves
+            self._ph_rows, self._ph_src = self._h_ph_rows, self._h_ph_src
             self.ids, self.pos, self.slots = self._h_ids, self._h_pos, self._h_slots
             self.seq_lens, self.qsl, self.table = self._h_seq_lens, self._h_qsl, self._h_table
 
@@ -72,8 +83,15 @@ class StepInputBuilder:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and max_blocks <= self.max_blocks
 
     def build(self, sched: Any, pad_to: int | None = None, max_seq_len_bound: int | None = None,
-              sliding_window: int | None = None) -> StepInputs:
-        """Fills the buffers; ``pad_to`` rounds a decode-only batch up to a captured graph's size."""
+              sliding_window: int | None = None,
+              prev: tuple[dict[str, int], torch.Tensor] | None = None) -> StepInputs:
+        """Fills the buffers; ``pad_to`` rounds a decode-only batch up to a captured graph's size.
+
+        ``prev``: the step in flight's sampled ids (device int64) and each request's row in
+        them, for the placeholder (-1) tokens of this step.
+        """
+        if self._uploaded is not None:
+            self._uploaded.synchronize()  # the last upload has read the pinned buffers
         scheduled = sched.scheduled
         s_count = len(scheduled)
         toks: list[int] = []
@@ -133,6 +151,18 @@ class StepInputBuilder:
         seq_lens_cpu = seq_lens[:s_count].tolist()
         max_seq_len = max(seq_lens_cpu, default=1)
 
+        ph_rows = np.flatnonzero(ids[:num_tokens] < 0)
+        if len(ph_rows):
+            if prev is None:
+                raise RuntimeError("a scheduled token is still in flight but no previous step was given")
+            index, prev_tokens = prev
+            owners = ph_rows if decode_only else np.searchsorted(qsl[1 : s_count + 1], ph_rows, side="right")
+            self._h_ph_src[: len(ph_rows)] = torch.from_numpy(
+                np.fromiter((index[scheduled[i].request.request_id] for i in owners.tolist()), np.int64,
+                            len(ph_rows)))
+            self._h_ph_rows[: len(ph_rows)] = torch.from_numpy(ph_rows)
+            ids[ph_rows] = 0  # until the device copy below (the CPU reads these very arrays)
+
         n_seqs = n_tok = s_count if decode_only else None
         if pad_to is not None and decode_only and pad_to > s_count:
             n_seqs = n_tok = pad_to
@@ -145,6 +175,17 @@ class StepInputBuilder:
         if n_seqs is None:
             n_seqs, n_tok = s_count, num_tokens
         self._upload(n_tok, n_seqs, max_blocks)
+        n_ph = len(ph_rows)
+        if n_ph:
+            src = self._ph_src[:n_ph]
+            if self._ph_src is not self._h_ph_src:
+                src.copy_(self._h_ph_src[:n_ph], non_blocking=True)
+                self._ph_rows[:n_ph].copy_(self._h_ph_rows[:n_ph], non_blocking=True)
+            self.ids.index_copy_(0, self._ph_rows[:n_ph], prev_tokens.index_select(0, src))
+        if self.device.type == "cuda":
+            if self._uploaded is None:
+                self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
         dev_table = self.table[:n_seqs] if pad_to is not None else self.table[:n_seqs, :max_blocks]
         meta = AttentionMetadata(
             slot_mapping=self.slots[:n_tok],
@@ -164,7 +205,7 @@ class StepInputBuilder:
     def _upload(self, n_tok: int, n_seqs: int, max_blocks: int) -> None:
         if self.ids is self._h_ids:
             return
-        nb = True  # the host buffers are pinned; the engine syncs on the sampled ids before reuse
+        nb = True  # pinned host buffers; the next build waits for this upload before rewriting them
         self.ids[:n_tok].copy_(self._h_ids[:n_tok], non_blocking=nb)
         self.pos[:n_tok].copy_(self._h_pos[:n_tok], non_blocking=nb)
         self.slots[:n_tok].copy_(self._h_slots[:n_tok], non_blocking=nb)

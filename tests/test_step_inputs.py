@@ -114,3 +114,37 @@ def test_bucket_is_the_smallest_size_that_fits():
     g = DecodeGraphs(lambda *a: None, _builder(), max_size=40, max_model_len=64)
     assert [g.bucket(n) for n in (1, 2, 3, 5, 8, 9, 33, 40)] == [1, 2, 4, 8, 8, 16, 40, 40]
     assert g.bucket(41) is None
+
+
+def _pending_request(rid: str, tokens: list[int]):
+    """A real request whose next token is still on the device (async scheduling)."""
+    from paged_backend.request import Request
+    from paged_backend.sampling_params import SamplingParams
+
+    req = Request(rid, tokens, SamplingParams(max_tokens=8), max_tokens=8)
+    req.num_computed_tokens = len(tokens)
+    req.num_pending = 1
+    return req
+
+
+@pytest.mark.parametrize("mixed", [False, True])
+def test_placeholder_tokens_come_from_the_previous_steps_sampled_ids(mixed):
+    from paged_backend.scheduler import ScheduledRequest
+
+    a = _pending_request("a", [1, 2, 3, 4, 5])
+    c = _pending_request("c", [9, 8, 7])
+    sched = [ScheduledRequest(a, 5, 1, [3, 4])]
+    if mixed:  # a prompt chunk between the two decodes: placeholders found by row owner
+        b = _Req("b", list(range(200, 206)), num_prompt_tokens=6)
+        sched.append(_Sched(b, 0, 3, [5]))
+    sched.append(ScheduledRequest(c, 3, 1, [6]))
+    assert [s.token_ids for s in sched if isinstance(s, ScheduledRequest)] == [[-1], [-1]]
+    assert all(s.samples for s in sched if isinstance(s, ScheduledRequest))
+    prev = ({"c": 0, "x": 1, "a": 2}, torch.tensor([70, 71, 72]))
+    builder = _builder()
+    step = builder.build(_Out(sched), pad_to=None if mixed else 8, prev=prev)
+    expect = [72] + ([200, 201, 202] if mixed else []) + [70]
+    assert step.input_ids[: len(expect)].tolist() == expect
+    assert step.positions[: len(expect)].tolist() == [5] + ([0, 1, 2] if mixed else []) + [3]
+    with pytest.raises(RuntimeError, match="in flight"):
+        builder.build(_Out(sched))
