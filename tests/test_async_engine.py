@@ -12,10 +12,12 @@ from paged_backend import AsyncEngine, EngineConfig, InvalidRequestError, Sampli
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module")
-def engine():
+@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+def engine(request):
+    """The CPU engine, with and without async scheduling (the CUDA default: one step in flight)."""
     eng = AsyncEngine(EngineConfig(model=model_dir(), dtype="float32", device="cpu",
-                                   kv_cache_memory_bytes=64 << 20, log_stats_interval=0))
+                                   kv_cache_memory_bytes=64 << 20, log_stats_interval=0,
+                                   async_scheduling=request.param))
     yield eng
     eng.shutdown()
     assert not eng.is_ready
