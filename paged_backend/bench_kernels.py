@@ -94,7 +94,7 @@ def _parse_ints(s: str) -> list[int]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged-backend bench kernels", description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", nargs="+", choices=["ceilings", "decode", "prefill", "elementwise"], default=None,
+    p.add_argument("--only", nargs="+", choices=["ceilings", "decode", "prefill", "elementwise", "int4"], default=None,
                    help="run only these groups (ceilings always run: the others are judged against them)")
     p.add_argument("--batches", default="1,8,64,256", help="decode batch sizes")
     p.add_argument("--contexts", default="512,4096,32768", help="decode context lengths")
@@ -492,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
     import triton
 
     bench = Bench(args)
-    groups = args.only or ["ceilings", "decode", "prefill", "elementwise"]
+    groups = args.only or ["ceilings", "decode", "prefill", "elementwise", "int4"]
     print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
           f"{time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
     bench.ceilings()
@@ -507,12 +507,18 @@ def main(argv: list[str] | None = None) -> int:
             getattr(bench, g)()
             print(f"  [{g} took {time.time() - t0:.0f} s]", flush=True)
     bench.summary()
+    int4_rc = 0
+    if "int4" in groups:  # issue 5's table: the int4 GEMM vs bf16 cuBLAS, from `bench quant`'s code
+        from paged_backend import bench_quant
+
+        quant_args = ["--only", "int4"] + (["--json", args.json + ".int4.json"] if args.json else [])
+        int4_rc = bench_quant.run(bench_quant.build_parser().parse_args(quant_args))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                        "triton": triton.__version__, "failures": bench.failures,
                        "rows": [asdict(r) for r in bench.rows]}, f, indent=1)
-    return 1 if bench.failures else 0
+    return 1 if bench.failures or int4_rc else 0
 
 
 if __name__ == "__main__":
