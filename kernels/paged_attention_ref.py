@@ -103,21 +103,36 @@ def paged_attention_ref(
         out[rows] = _attend(q, k, v, None if equal else mask[:, None, :], scale, decode=True)[:, 0]
 
     for i, ql in enumerate(qlens):
-        if ql <= 1:
-            continue
-        length = lens[i]
-        ctx = length - ql
-        slots = _slots(block_tables[i], torch.arange(length, device=query.device), bs)
-        k = _gather(kv_cache[0], slots, ks)[None]
-        v = _gather(kv_cache[1], slots, vs)[None]
-        q = query[qsl[i] : qsl[i + 1]].float()[None]
-        mask = None
-        if ctx > 0 or sliding_window is not None:
-            qpos = torch.arange(ql, device=query.device)[:, None] + ctx
-            kpos = torch.arange(length, device=query.device)[None, :]
-            mask = kpos <= qpos
-            if sliding_window is not None:
-                mask &= kpos > qpos - sliding_window
-            mask = mask[None]
-        out[qsl[i] : qsl[i + 1]] = _attend(q, k, v, mask, scale)[0]
+        if ql > 1:
+            out[qsl[i] : qsl[i + 1]] = attend_request(query[qsl[i] : qsl[i + 1]], kv_cache, block_tables[i],
+                                                      lens[i], scale, ks, vs, sliding_window)
     return out.to(query.dtype)
+
+
+def attend_request(
+    query: torch.Tensor,  # [Q, H, D]: the request's new tokens, at positions length-Q .. length-1
+    kv_cache: torch.Tensor,  # [2, NB, BS, Hkv, D]
+    block_row: torch.Tensor,  # int32 [max_blocks]: the request's block table row
+    length: int,  # context + new tokens
+    scale: float,
+    k_scale: torch.Tensor | None = None,  # applied when given (pass None for a non-fp8 cache)
+    v_scale: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+) -> torch.Tensor:  # [Q, H, D] float32
+    """Causal attention of one request's new tokens over its cached positions 0..length-1."""
+    ql = query.shape[0]
+    ctx = length - ql
+    bs = kv_cache.shape[2]
+    slots = _slots(block_row, torch.arange(length, device=query.device), bs)
+    k = _gather(kv_cache[0], slots, k_scale)[None]
+    v = _gather(kv_cache[1], slots, v_scale)[None]
+    q = query.float()[None]
+    mask = None
+    if ctx > 0 or sliding_window is not None:
+        qpos = torch.arange(ql, device=query.device)[:, None] + ctx
+        kpos = torch.arange(length, device=query.device)[None, :]
+        mask = kpos <= qpos
+        if sliding_window is not None:
+            mask &= kpos > qpos - sliding_window
+        mask = mask[None]
+    return _attend(q, k, v, mask, scale)[0]

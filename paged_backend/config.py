@@ -25,7 +25,7 @@ class EngineConfig(BaseModel):
     max_model_len: int | None = Field(None, ge=16)
     max_num_seqs: int | None = Field(None, ge=1, description="default: 1024 on GPUs of >= 70 GiB, else 256")
     max_num_batched_tokens: int | None = Field(
-        None, ge=16, description="default: 16384 on GPUs of >= 70 GiB, 8192 on smaller GPUs, 2048 on the CPU")
+        None, ge=16, description="default: 16384 on GPUs of >= 70 GiB, 8192 on smaller GPUs, 4096 on the CPU")
     enable_chunked_prefill: bool = True
     block_size: Literal[16, 32, 64] = 16
     enable_prefix_caching: bool = True
@@ -88,8 +88,8 @@ def resolve_limits(config: EngineConfig, max_position_embeddings: int, device: t
 
         big = torch.cuda.get_device_properties(device).total_memory >= BIG_GPU_BYTES
         seqs, tokens = (1024, 16384) if big else (256, 8192)
-    else:
-        seqs, tokens = 256, 2048
+    else:  # vLLM's CPU defaults for the offline LLM class (its API server takes 2048 tokens)
+        seqs, tokens = 256, 4096
     max_num_seqs = config.max_num_seqs or seqs
     budget = config.max_num_batched_tokens or max(tokens, max_num_seqs)
     if not config.enable_chunked_prefill:

@@ -13,8 +13,8 @@ Tokens of all scheduled requests are flattened into one batch of ``T`` tokens::
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -32,6 +32,10 @@ class AttentionMetadata:
     seq_lens_cpu: list[int] | None = None
     query_lens_cpu: list[int] | None = None
     sliding_window: int | None = None
+    # scratch a backend fills lazily and every layer of the step reuses (the torch backend's gather
+    # plan). It belongs to one step: a runner that reuses a metadata object across steps must clear
+    # it. dataclasses.replace() shares it, so entries must key on the fields they depend on.
+    step_cache: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_seqs(self) -> int:
