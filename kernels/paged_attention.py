@@ -167,6 +167,17 @@ def _attend_tiles(
 
 
 @triton.jit
+def _merge_split(acc, m_run, l_run, part, m_s, l_s):
+    """Folds one context split's partial (sum ``part``, max ``m_s``, denominator ``l_s``; log2
+    domain) into the running (acc, m_run, l_run); an empty split weighs exp2(-inf) = 0."""
+    m_new = tl.maximum(m_run, m_s)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.math.exp2(m_run - m_use)
+    b = tl.math.exp2(m_s - m_use)
+    return acc * a[:, None] + part * b[:, None], m_new, l_run * a + l_s * b
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_ptr,  # [NB, BS, Hkv, D]  (kv_cache[0])
@@ -341,13 +352,7 @@ def _paged_attention_kernel(
                     p_ptrs += stride_os
                     m_ptrs += stride_ms
                     l_ptrs += stride_ms
-                    m_nx = tl.maximum(m_run, m_s)
-                    m_u = tl.where(m_nx == float("-inf"), 0.0, m_nx)  # empty splits weigh exp2(-inf) = 0
-                    a = tl.math.exp2(m_run - m_u)
-                    b = tl.math.exp2(m_s - m_u)
-                    o_acc = o_acc * a[:, None] + part * b[:, None]
-                    l_run = l_run * a + l_s * b
-                    m_run = m_nx
+                    o_acc, m_run, l_run = _merge_split(o_acc, m_run, l_run, part, m_s, l_s)
                 o = o_acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
                 f_off = t_idx[:, None] * stride_ft + head[:, None].to(tl.int64) * stride_fh + offs_d[None, :]
                 tl.store(final_ptr + f_off, o.to(final_ptr.dtype.element_ty), mask=o_mask)
@@ -393,13 +398,7 @@ def _reduce_splits_kernel(
         l_s = tl.load(l_ptr + ml_off, mask=hmask, other=0.0)
         part = tl.load(part_ptr + s * stride_ps + t * stride_pt + h[:, None] * HEAD_DIM + d[None, :], mask=mask,
                        other=0.0)
-        m_new = tl.maximum(m_run, m)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # empty splits weigh exp2(-inf) = 0
-        a = tl.math.exp2(m_run - m_use)
-        b = tl.math.exp2(m - m_use)
-        acc = acc * a[:, None] + part * b[:, None]
-        l_run = l_run * a + l_s * b
-        m_run = m_new
+        acc, m_run, l_run = _merge_split(acc, m_run, l_run, part, m, l_s)
     out = acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
     tl.store(out_ptr + t * stride_ot + h[:, None] * stride_oh + d[None, :], out.to(out_ptr.dtype.element_ty),
              mask=mask)

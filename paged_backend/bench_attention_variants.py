@@ -137,21 +137,6 @@ class VariantSweep:
 
     # -- decode ---------------------------------------------------------------------------
 
-    def _cache(self, num_blocks: int, fp8: bool):
-        torch = self.torch
-        a = self.args
-        shape = (2, num_blocks, a.block_size, a.kv_heads, a.head_dim)
-        if not fp8:
-            return torch.empty(shape, dtype=torch.bfloat16, device=self.dev).normal_()
-        from paged_backend.kernels.cache_write_ref import FP8_DTYPE
-
-        cache = torch.empty(shape, dtype=FP8_DTYPE, device=self.dev)
-        step = max(1, (GIB // 2) // (a.block_size * a.kv_heads * a.head_dim))
-        for i in range(0, num_blocks, step):
-            cache[:, i : i + step] = torch.empty_like(cache[:, i : i + step], dtype=torch.bfloat16).normal_().to(
-                FP8_DTYPE)
-        return cache
-
     def _resolve(self, v: Variant, b: int, c: int, kv_elem: int):
         """(config or None, num_splits or None) of a decode variant at one cell; None if it adds nothing."""
         from paged_backend.kernels.paged_attention import pick_config, pick_num_splits
@@ -191,7 +176,7 @@ class VariantSweep:
         elem = 1 if fp8 else 2
         kv_bytes = b * c * hkv * d * 2 * elem
         copies = max(1, min(16, -(-GIB // kv_bytes)))
-        cache = self._cache(copies * b * nblk + 1, fp8)
+        cache = self.bench._cache(copies * b * nblk + 1, fp8)
         g = torch.Generator(device=self.dev).manual_seed(b * 1000 + c)
         perm = (torch.randperm(copies * b * nblk, device=self.dev, generator=g) + 1).to(torch.int32)
         sl = torch.full((b,), c, dtype=torch.int32, device=self.dev)

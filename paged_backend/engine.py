@@ -337,8 +337,7 @@ class LLMEngine:
         if prev is None:
             out = self.runner.execute(sched)
         else:
-            out = self.runner.execute(sched, ({rid: i for i, rid in enumerate(prev.out.sample_request_ids)},
-                                              prev.tokens))
+            out = self.runner.execute(sched, (prev.out.sample_request_ids, prev.tokens))
         # the rows before finishing ``prev``: a request it stops still has a row here (dropped later)
         if self._forking:
             rows, index, forking = self._rows_with_forks(out.sample_request_ids)

@@ -186,12 +186,12 @@ class ModelRunner:
         return self._overflow
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, prev: tuple[dict[str, int], torch.Tensor] | None = None
+    def execute(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor] | None = None
                 ) -> ModelOutput:
         """Queue the step's forward pass; the logits come back unsynchronized (device tensors).
 
-        ``prev`` (async scheduling): the sampled ids of the step still in flight and each
-        request's row in them, for the tokens scheduled before they were known.
+        ``prev`` (async scheduling): the step still in flight's sampled request ids and their
+        sampled token ids (device), for the tokens scheduled before they were known.
         """
         self.copy_blocks(sched.blocks_to_copy)
         builder = self._builder_for(sched)

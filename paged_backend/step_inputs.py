@@ -84,11 +84,11 @@ class StepInputBuilder:
 
     def build(self, sched: Any, pad_to: int | None = None, max_seq_len_bound: int | None = None,
               sliding_window: int | None = None,
-              prev: tuple[dict[str, int], torch.Tensor] | None = None) -> StepInputs:
+              prev: tuple[list[str], torch.Tensor] | None = None) -> StepInputs:
         """Fills the buffers; ``pad_to`` rounds a decode-only batch up to a captured graph's size.
 
-        ``prev``: the step in flight's sampled ids (device int64) and each request's row in
-        them, for the placeholder (-1) tokens of this step.
+        ``prev``: the step in flight's sampled request ids and sampled token ids (device int64,
+        same order), for the placeholder (-1) tokens of this step.
         """
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has read the pinned buffers
@@ -155,7 +155,8 @@ class StepInputBuilder:
         if len(ph_rows):
             if prev is None:
                 raise RuntimeError("a scheduled token is still in flight but no previous step was given")
-            index, prev_tokens = prev
+            prev_ids, prev_tokens = prev
+            index = {rid: i for i, rid in enumerate(prev_ids)}
             owners = ph_rows if decode_only else np.searchsorted(qsl[1 : s_count + 1], ph_rows, side="right")
             self._h_ph_src[: len(ph_rows)] = torch.from_numpy(
                 np.fromiter((index[scheduled[i].request.request_id] for i in owners.tolist()), np.int64,

@@ -140,7 +140,7 @@ def test_placeholder_tokens_come_from_the_previous_steps_sampled_ids(mixed):
     sched.append(ScheduledRequest(c, 3, 1, [6]))
     assert [s.token_ids for s in sched if isinstance(s, ScheduledRequest)] == [[-1], [-1]]
     assert all(s.samples for s in sched if isinstance(s, ScheduledRequest))
-    prev = ({"c": 0, "x": 1, "a": 2}, torch.tensor([70, 71, 72]))
+    prev = (["c", "x", "a"], torch.tensor([70, 71, 72]))
     builder = _builder()
     step = builder.build(_Out(sched), pad_to=None if mixed else 8, prev=prev)
     expect = [72] + ([200, 201, 202] if mixed else []) + [70]
