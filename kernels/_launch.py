@@ -104,3 +104,25 @@ def scale_tensor(scale: torch.Tensor | float | None, device: torch.device, name:
 def next_pow2(n: int) -> int:
     """Smallest power of two >= n (and >= 1)."""
     return 1 << max(0, (int(n) - 1).bit_length())
+
+
+def compiled_variants() -> dict[str, int]:
+    """How many compiled variants each loaded Triton kernel of this package holds (all devices).
+
+    A count that grows during a timed run means kernels compiled mid-run (``bench throughput``
+    prints it). Kernels never launched are left out; {} under the interpreter.
+    """
+    import sys
+
+    counts: dict[str, int] = {}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith(__package__ + ".") or mod is None:
+            continue
+        for name, obj in vars(mod).items():
+            caches = getattr(obj, "device_caches", None)
+            if not isinstance(caches, dict):
+                continue
+            n = sum(len(e[0]) for e in caches.values() if isinstance(e, tuple) and e and isinstance(e[0], dict))
+            if n:
+                counts[f"{mod_name.rsplit('.', 1)[-1]}.{name}"] = n
+    return counts

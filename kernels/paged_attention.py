@@ -177,7 +177,14 @@ def _merge_split(acc, m_run, l_run, part, m_s, l_s):
     return acc * a[:, None] + part * b[:, None], m_new, l_run * a + l_s * b
 
 
-@triton.jit
+# Integers that change with the batch are not specialized (Triton compiles a variant per
+# value class: == 1, divisible by 16, other): otherwise the first steps of a new batch mix
+# compile kernels mid-run, seconds each (the slow first timed W1 run on the H200). The split
+# strides (T*H*D) stay specialized: divisible by 16 whenever head_dim is (every Llama-family size).
+_BATCH_INTS = ["num_seqs", "num_splits"]
+
+
+@triton.jit(do_not_specialize=[*_BATCH_INTS, "stride_ms"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
     k_ptr,  # [NB, BS, Hkv, D]  (kv_cache[0])
@@ -362,7 +369,7 @@ def _paged_attention_kernel(
         tl.store(out_ptr + o_off, out.to(out_ptr.dtype.element_ty), mask=o_mask)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=[*_BATCH_INTS, "stride_ms"])
 def _reduce_splits_kernel(
     part_ptr,  # float32 [num_splits, T, H, D]
     m_ptr,  # float32 [num_splits, T, H]

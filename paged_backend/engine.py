@@ -100,7 +100,8 @@ class _Launched:
     """A step whose forward pass is queued, with how its rows get their tokens.
 
     Sampled on the host (``token_ids``), or still on the device (``tokens``, copied to the
-    engine's pinned buffer behind ``event``; ``device_sample`` when the full sampler ran).
+    engine's pinned buffer behind ``event``; ``device_sample`` when the full sampler ran: then
+    ``Sampler.pack``'s ``packed_len`` values are copied instead).
     """
 
     sched: SchedulerOutput
@@ -110,6 +111,7 @@ class _Launched:
     token_ids: list[int] = field(default_factory=list)
     tokens: torch.Tensor | None = None
     device_sample: DeviceSample | None = None
+    packed_len: int = 0
     event: torch.cuda.Event | None = None
 
 
@@ -172,6 +174,7 @@ class LLMEngine:
             raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
         self._inflight: _Launched | None = None  # async: the step whose sampled ids are still on the device
         self._host_tokens: torch.Tensor | None = None  # pinned landing buffer of those ids
+        self._host_packed: torch.Tensor | None = None  # ... and of full-sampler results (float64)
         self.num_async_steps = 0  # steps sampled on the device and processed one step later
         self.stats = EngineStats(interval=0 if config.disable_log_stats else config.log_stats_interval)
         capacity = (num_blocks - 1) * config.block_size
@@ -368,17 +371,26 @@ class LLMEngine:
                 logits = logits[torch.tensor(index, device=logits.device)]
             launched.token_ids = self.sampler.greedy(logits) if fast else self._sample(rows, logits)
             return launched
+        pinned = logits.device.type == "cuda"
         if fast:
             tokens = logits.argmax(dim=-1)
+            src = tokens
+            host = self._host_tokens
+            if host is None or host.shape[0] < tokens.shape[0]:
+                host = self._host_tokens = torch.empty(max(tokens.shape[0], self.max_num_seqs),
+                                                       dtype=torch.int64, pin_memory=pinned)
         else:
-            launched.device_sample = self._sampling_metadata_sample(rows, logits)
-            tokens = launched.device_sample.token_ids
-        n = tokens.shape[0]
-        host = self._host_tokens
-        if host is None or host.shape[0] < n:
-            host = self._host_tokens = torch.empty(max(n, self.max_num_seqs), dtype=torch.int64,
-                                                   pin_memory=tokens.device.type == "cuda")
-        host[:n].copy_(tokens, non_blocking=True)
+            # the full sampler's results in one buffer: a blocking read in _finish would wait
+            # for the step queued after this one
+            ds = launched.device_sample = self._sampling_metadata_sample(rows, logits)
+            tokens = ds.token_ids
+            src = self.sampler.pack(ds)
+            launched.packed_len = src.shape[0]
+            host = self._host_packed
+            if host is None or host.shape[0] < src.shape[0]:
+                host = self._host_packed = torch.empty(max(src.shape[0], 2 * self.max_num_seqs),
+                                                       dtype=torch.float64, pin_memory=pinned)
+        host[: src.shape[0]].copy_(src, non_blocking=True)
         if tokens.device.type == "cuda":
             launched.event = torch.cuda.Event()
             launched.event.record()
@@ -394,11 +406,14 @@ class LLMEngine:
         if launched.tokens is not None:  # async: wait for this step's ids now
             if launched.event is not None:
                 launched.event.synchronize()
-            n = launched.tokens.shape[0]
-            if launched.device_sample is not None:
-                token_ids = self._record_logprobs(rows, self.sampler.to_output(launched.device_sample))
+            ds = launched.device_sample
+            if ds is not None:
+                assert self._host_packed is not None
+                flat = self._host_packed[: launched.packed_len].tolist()
+                token_ids = self._record_logprobs(rows, self.sampler.unpack(ds, flat))
             else:
-                token_ids = self._host_tokens[:n].tolist()
+                assert self._host_tokens is not None
+                token_ids = self._host_tokens[: launched.tokens.shape[0]].tolist()
             for _, sample in rows:
                 sample.request.num_pending = 0
         else:
@@ -481,7 +496,7 @@ class LLMEngine:
             eos_token_ids=self.eos_token_ids,
             specs=[s.spec for _, s in rows],
         )
-        return self.sampler.sample_tensors(logits, meta)
+        return self.sampler.sample_tensors(logits, meta, sampled_logprobs=False)
 
     def _sample(self, rows: list[tuple[_Group, _Sample]], logits: torch.Tensor) -> list[int]:
         """The full sampler, on the host at once; records the logprobs of the rows that asked."""
@@ -489,6 +504,8 @@ class LLMEngine:
 
     @staticmethod
     def _record_logprobs(rows: list[tuple[_Group, _Sample]], sampled: SamplerOutput) -> list[int]:
+        if sampled.sampled_logprobs is None:  # no row asked for logprobs
+            return sampled.sampled_token_ids
         for (_, sample), lp, tops in zip(rows, sampled.sampled_logprobs, sampled.logprobs, strict=True):
             if sample.wants_logprobs and not sample.request.is_finished:
                 sample.cumulative_logprob += lp

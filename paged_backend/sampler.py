@@ -37,7 +37,6 @@ from paged_backend.sampling.metadata import (
     SamplingMetadata,
     fast_greedy_from,
     seeded_generator,
-    to_host,
 )
 from paged_backend.sampling.penalties import apply_min_tokens, apply_penalties, token_counts
 
@@ -54,7 +53,7 @@ class DeviceSample:
 
     plan: BatchPlan
     token_ids: torch.Tensor  # int64 [R]
-    sampled_logprobs: torch.Tensor  # float32 [R], raw distribution
+    sampled_logprobs: torch.Tensor | None  # float32 [R], raw distribution; None: not asked
     top_ids: torch.Tensor | None  # int64 [len(plan.logprob_rows), plan.max_logprobs]
     top_logprobs: torch.Tensor | None
 
@@ -92,8 +91,15 @@ class Sampler:
             return logits.detach().numpy().argmax(axis=1).tolist()
         return logits.argmax(dim=-1).tolist()
 
-    def sample_tensors(self, logits: torch.Tensor, meta: SamplingMetadata) -> DeviceSample:
-        """Everything on the device, no host sync: tokens, their raw logprobs, top-N."""
+    def sample_tensors(
+        self, logits: torch.Tensor, meta: SamplingMetadata, *, sampled_logprobs: bool = True
+    ) -> DeviceSample:
+        """Everything on the device, no host sync: tokens, their raw logprobs, top-N.
+
+        ``sampled_logprobs=False``: the sampled tokens' logprobs only when a row asks for
+        logprobs (the engine reads them for those rows only); otherwise None, and no
+        log-sum-exp pass over the logits.
+        """
         plan = BatchPlan(meta, logits.shape[1])
         device = logits.device
         raw = logits.float()
@@ -107,7 +113,7 @@ class Sampler:
             else:
                 is_greedy = plan.row_params(device).greedy > 0
                 token_ids = torch.where(is_greedy, token_ids, random_ids)
-        return self._logprobs(raw, token_ids, plan, device)
+        return self._logprobs(raw, token_ids, plan, device, sampled_logprobs or bool(plan.logprob_rows))
 
     def _apply_history(
         self, x: torch.Tensor, plan: BatchPlan, meta: SamplingMetadata, device: torch.device
@@ -136,10 +142,13 @@ class Sampler:
         """Temperature, min-p, top-k/top-p, then an exponential race (Gumbel-max on probs).
 
         ``argmax(probs / q)`` with ``q ~ Exp(1)`` i.i.d. picks token i with probability
-        ``probs[i]``; each seeded row's ``q`` comes from its own generator.
+        ``probs[i]``; each seeded row's ``q`` comes from its own generator. Without min-p /
+        top-k / top-p, ``argmax(x / T - log q)``: the same race on log-probabilities (they
+        differ from ``x / T`` by a per-row constant), no softmax.
         """
         rp = plan.row_params(device)
         x = x / rp.temperature.unsqueeze(1)
+        truncated = plan.any_min_p or plan.any_top_k or plan.any_top_p
         if plan.any_min_p:
             x = apply_min_p(x, rp.min_p)
         k = rp.top_k if plan.any_top_k else None
@@ -147,9 +156,8 @@ class Sampler:
             x = apply_top_k_top_p(x, k, rp.top_p)
         elif k is not None:
             x = apply_top_k(x, k, plan.max_top_k)
-        probs = x.softmax(dim=-1)
 
-        q = torch.empty_like(probs)
+        q = torch.empty_like(x)
         if len(plan.seeded_random_rows) < len(plan.random_rows):
             q.exponential_(generator=self._shared_generator(device))
         for i in plan.seeded_random_rows:
@@ -158,14 +166,18 @@ class Sampler:
             if gen.device.type != device.type:
                 raise ValueError(f"row {i}: generator on {gen.device}, logits on {device}")
             q[i].exponential_(generator=gen)
-        # q == 0 would turn a masked token (prob 0) into 0/0 = nan, which argmax picks
+        # q == 0 would turn a masked token (prob 0) into 0/0 = nan (log: -inf - -inf), which argmax picks
         q = q.clamp_min_(torch.finfo(q.dtype).tiny)
-        return (probs / q).argmax(dim=-1)
+        if not truncated:
+            return x.sub_(q.log_()).argmax(dim=-1)  # x is this function's own tensor
+        return (x.softmax(dim=-1) / q).argmax(dim=-1)
 
     def _logprobs(
-        self, raw: torch.Tensor, token_ids: torch.Tensor, plan: BatchPlan, device: torch.device
+        self, raw: torch.Tensor, token_ids: torch.Tensor, plan: BatchPlan, device: torch.device, sampled: bool
     ) -> DeviceSample:
-        """Raw logprobs of the sampled tokens, and top-N for the rows asking."""
+        """Raw logprobs of the sampled tokens (``sampled``), and top-N for the rows asking."""
+        if not sampled:
+            return DeviceSample(plan, token_ids, None, None, None)
         lse = torch.logsumexp(raw, dim=-1)
         sampled_lp = token_logprobs(raw, lse, token_ids)
         top_ids = top_lp = None
@@ -179,18 +191,33 @@ class Sampler:
 
     @staticmethod
     def to_output(d: DeviceSample) -> SamplerOutput:
-        """ONE device->host transfer, then per-row Python objects."""
-        tensors = [d.token_ids, d.sampled_logprobs]
-        if d.top_ids is not None and d.top_logprobs is not None:
-            tensors += [d.top_ids, d.top_logprobs]
-        host = to_host(*tensors)
-        ids = [int(t) for t in host[0]]
-        sampled_lp = host[1]
-        top_ids_h, top_lp_h = (host[2], host[3]) if len(host) == 4 else ([], [])
+        """ONE device->host transfer (a sync), then per-row Python objects."""
+        return Sampler.unpack(d, Sampler.pack(d).tolist())
 
+    @staticmethod
+    def pack(d: DeviceSample) -> torch.Tensor:
+        """A sample's tensors as one flat float64 tensor on their device, for one transfer.
+
+        float64 holds token ids (< 2**53) and float32 logprobs exactly.
+        """
+        tensors = [t for t in (d.token_ids, d.sampled_logprobs, d.top_ids, d.top_logprobs) if t is not None]
+        return torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+
+    @staticmethod
+    def unpack(d: DeviceSample, flat: list[float]) -> SamplerOutput:
+        """``pack``'s values, read back on the host, as per-row Python objects."""
+        n = d.plan.num_rows
+        ids = [int(t) for t in flat[:n]]
+        if d.sampled_logprobs is None:
+            return SamplerOutput(sampled_token_ids=ids, sampled_logprobs=None, logprobs=[None] * n)
+        sampled_lp = flat[n : 2 * n]
         plan, num = d.plan, d.plan.max_logprobs
+        top_ids_h = top_lp_h = flat[:0]
+        if d.top_ids is not None:
+            m = d.top_ids.numel()
+            top_ids_h, top_lp_h = flat[2 * n : 2 * n + m], flat[2 * n + m : 2 * n + 2 * m]
         logprobs: list[dict[int, float] | None] = [None] * plan.num_rows
-        for j, (row, n) in enumerate(zip(plan.logprob_rows, plan.num_logprobs, strict=True)):
+        for j, (row, k) in enumerate(zip(plan.logprob_rows, plan.num_logprobs, strict=True)):
             span = slice(j * num, (j + 1) * num)
-            logprobs[row] = logprob_dict(top_ids_h[span], top_lp_h[span], n, ids[row], sampled_lp[row])
+            logprobs[row] = logprob_dict(top_ids_h[span], top_lp_h[span], k, ids[row], sampled_lp[row])
         return SamplerOutput(sampled_token_ids=ids, sampled_logprobs=sampled_lp, logprobs=logprobs)

@@ -182,6 +182,39 @@ def test_frozen_heap_is_given_back():
         gc.unfreeze()
 
 
+def test_frozen_heap_ignores_objects_frozen_at_start_up(monkeypatch: pytest.MonkeyPatch):
+    """Some Pythons start with a few objects frozen: the engine's freeze must still end."""
+    import paged_backend.gc_heap as gc_heap
+
+    gc.freeze()  # as such an interpreter did before user code
+    try:
+        monkeypatch.setattr(gc_heap, "_STARTUP_FROZEN", gc.get_freeze_count())
+        with frozen_heap():
+            with frozen_heap():  # nested (the async loop around a generate): the outer one unfreezes
+                pass
+            assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() == 0
+        # a cycle made before the engine's freeze is collectable once it ends
+        collected = []
+
+        class Node:
+            def __init__(self) -> None:
+                self.me = self
+
+            def __del__(self) -> None:
+                collected.append(1)
+
+        node = Node()
+        with frozen_heap():
+            del node
+            gc.collect()
+            assert not collected  # frozen: skipped
+        gc.collect()
+        assert collected == [1]
+    finally:
+        gc.unfreeze()
+
+
 def test_request_is_finished_follows_status():
     req = Request("r", [1, 2, 3], SamplingParams(), max_tokens=4)
     for status in RequestStatus:

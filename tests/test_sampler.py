@@ -424,6 +424,44 @@ def test_seeded_rows_sample_the_right_distribution() -> None:
     _assert_frequencies(out.sampled_token_ids, softmax64(BASE))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_untruncated_rows_race_on_logits_like_the_softmax_race(device: str) -> None:
+    """Plain temperature rows skip the softmax: argmax(x / T - log q) == argmax(softmax(x / T) / q).
+
+    min_p = 1e-30 truncates nothing but takes the softmax path; the same seed gives the same q.
+    """
+    n, vocab = 64, 500
+    logits = random_logits(n, vocab, seed=3, device=device)
+    gens = [seeded_generator(100 + i, device) if i % 3 == 0 else None for i in range(n)]
+    plain = [SamplingParams(temperature=0.3 + 0.1 * (i % 9)) for i in range(n)]
+    via_softmax = [SamplingParams(temperature=p.temperature, min_p=1e-30) for p in plain]
+    a = Sampler(seed=7)(logits, meta_for(plain, generators=gens)).sampled_token_ids
+    gens = [seeded_generator(100 + i, device) if i % 3 == 0 else None for i in range(n)]
+    b = Sampler(seed=7)(logits, meta_for(via_softmax, generators=gens)).sampled_token_ids
+    assert a == b
+    assert len(set(a)) > n // 2  # a real draw, not each row's argmax
+    assert a != logits.argmax(-1).tolist()
+
+
+def test_sampled_logprobs_only_when_asked() -> None:
+    logits = random_logits(4, 50, seed=2)
+    plain = [SamplingParams(temperature=1.0)] * 2 + [SamplingParams(temperature=0.0)] * 2
+    sampler = Sampler()
+    d = sampler.sample_tensors(logits, meta_for(plain), sampled_logprobs=False)
+    assert d.sampled_logprobs is None and d.top_ids is None
+    out = Sampler.unpack(d, Sampler.pack(d).tolist())
+    assert out.sampled_logprobs is None and out.logprobs == [None] * 4
+    assert out.sampled_token_ids[2:] == logits[2:].argmax(-1).tolist()
+    # one row asking for logprobs: every row's sampled logprob is there, as with the default
+    asking = [*plain[:3], SamplingParams(temperature=0.0, logprobs=2)]
+    out = Sampler.to_output(sampler.sample_tensors(logits, meta_for(asking), sampled_logprobs=False))
+    raw = torch.log_softmax(logits, -1)
+    assert out.sampled_logprobs is not None
+    assert out.sampled_logprobs == pytest.approx(
+        [raw[r, t].item() for r, t in enumerate(out.sampled_token_ids)], abs=1e-5)
+    assert out.logprobs[3] is not None and out.logprobs[:3] == [None] * 3
+
+
 def test_lower_temperature_is_sharper() -> None:
     n = 5_000
     logits = torch.tensor([BASE]).expand(n, -1)

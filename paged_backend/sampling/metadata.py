@@ -105,7 +105,8 @@ class SamplerOutput:
     """Host-side results, one entry per logits row."""
 
     sampled_token_ids: list[int]
-    sampled_logprobs: list[float]  # raw-distribution logprob of the sampled token
+    # raw-distribution logprob of the sampled token; None when not asked (``sample_tensors``)
+    sampled_logprobs: list[float] | None
     # top-N raw logprobs (descending) then the sampled token if not among them; None if not asked
     logprobs: list[dict[int, float] | None]
 
