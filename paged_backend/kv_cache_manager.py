@@ -45,8 +45,9 @@ class KVCacheManager:
         self.enable_caching = enable_caching
         self.block_pool = BlockPool(num_blocks, enable_caching)
         self._req_blocks: dict[str, list[KVCacheBlock]] = {}
-        # the same lists as block ids, kept in step with _req_blocks; the scheduler copies a
-        # request's list every step (read-only for everyone else: use get_block_ids)
+        # the same lists as block ids, kept in step with _req_blocks. A list is never changed in
+        # place once stored (a new list whenever the request's blocks change), so the scheduler
+        # hands these lists out as snapshots (read-only for everyone else: use get_block_ids)
         self.req_block_ids: dict[str, list[int]] = {}
         # per request: a step whose tokens all land before this position needs no allocate_slots
         # call: they go into the request's current private block and do not fill it

@@ -167,7 +167,9 @@ class Scheduler:
                     continue  # req itself was preempted; the list shifted, i stays
             req.num_computed_tokens = start + num_new
             req.scheduled_step = step
-            scheduled.append(ScheduledRequest(req, start, num_new, block_ids[req.request_id][:], samples))
+            # the manager's list itself: it is never changed in place (a new list when the blocks
+            # change), so it is a snapshot, and the step-input builder skips rows it already holds
+            scheduled.append(ScheduledRequest(req, start, num_new, block_ids[req.request_id], samples))
             budget -= num_new
             i += 1
 

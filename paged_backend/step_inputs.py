@@ -65,6 +65,11 @@ class StepInputBuilder:
         self.ids_np, self.pos_np, self.slots_np = self._h_ids.numpy(), self._h_pos.numpy(), self._h_slots.numpy()
         self.seq_lens_np, self.qsl_np, self.table_np = (
             self._h_seq_lens.numpy(), self._h_qsl.numpy(), self._h_table.numpy())
+        # the block-id list whose ids each host table row holds (None: unknown). The KV manager
+        # never changes a request's list in place (a new list whenever its blocks change), so a
+        # row whose request brings the same list object again is up to date: decode steps
+        # rewrite only rows whose blocks changed (a new block, COW, a new request in the row)
+        self._row_blocks: list[list[int] | None] = [None] * max_seqs
         self._h_ph_rows = host((max_tokens,), torch.int64)  # placeholder rows and their source rows
         self._h_ph_src = host((max_tokens,), torch.int64)
         self._uploaded: torch.cuda.Event | None = None
@@ -98,12 +103,15 @@ class StepInputBuilder:
         starts: list[int] = []
         qlens: list[int] = []
         nbs: list[int] = []
-        flat_blocks: list[int] = []
+        flat_blocks: list[int] = []  # of the rows to rewrite
+        dirty_rows: list[int] = []
+        dirty_nbs: list[int] = []
+        row_blocks = self._row_blocks
         sample_ids: list[str] = []
         sample_rows: list[int] = []
         prompt_spans: list[tuple[str, int, int, int]] = []
         t = 0
-        for s in scheduled:  # one pass of list appends; numpy takes the lists in one go each
+        for row, s in enumerate(scheduled):  # one pass of list appends; numpy takes the lists in one go each
             n = s.num_new_tokens
             start = s.start_pos
             req = s.request
@@ -112,7 +120,11 @@ class StepInputBuilder:
             qlens.append(n)
             blocks = s.block_ids
             nbs.append(len(blocks))
-            flat_blocks += blocks
+            if row_blocks[row] is not blocks:
+                row_blocks[row] = blocks
+                dirty_rows.append(row)
+                dirty_nbs.append(len(blocks))
+                flat_blocks += blocks
             if req.sampling_params.prompt_logprobs is not None:
                 count = min(start + n, req.num_prompt_tokens - 1) - start
                 if count > 0:
@@ -129,10 +141,11 @@ class StepInputBuilder:
         ql = np.asarray(qlens, dtype=np.int64)
         nb = np.asarray(nbs, dtype=np.int64)
         max_blocks = int(nb.max()) if s_count else 1
-        # block ids into their rows: row r gets columns 0..nb[r]-1
-        rows_of = np.repeat(np.arange(s_count), nb)
-        col_of = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(nb) - nb, nb)
-        table[rows_of, col_of] = flat_blocks
+        if dirty_rows:  # block ids into their rows: row r gets columns 0..nb[r]-1
+            dnb = np.asarray(dirty_nbs, dtype=np.int64)
+            rows_of = np.repeat(np.asarray(dirty_rows, dtype=np.int64), dnb)
+            col_of = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(dnb) - dnb, dnb)
+            table[rows_of, col_of] = flat_blocks
         seq_lens = self.seq_lens_np
         seq_lens[:s_count] = st + ql
         qsl = self.qsl_np
@@ -173,6 +186,7 @@ class StepInputBuilder:
             seq_lens[s_count:pad_to] = 1
             qsl[s_count + 1 : pad_to + 1] = np.arange(s_count + 1, pad_to + 1)
             table[s_count:pad_to, 0] = 0
+            row_blocks[s_count:pad_to] = [None] * (pad_to - s_count)
         if n_seqs is None:
             n_seqs, n_tok = s_count, num_tokens
         self._upload(n_tok, n_seqs, max_blocks)

@@ -148,3 +148,28 @@ def test_placeholder_tokens_come_from_the_previous_steps_sampled_ids(mixed):
     assert step.positions[: len(expect)].tolist() == [5] + ([0, 1, 2] if mixed else []) + [3]
     with pytest.raises(RuntimeError, match="in flight"):
         builder.build(_Out(sched))
+
+
+def test_block_table_rows_follow_their_requests_across_steps():
+    """Rows are rewritten only when the row's block list object changes (the KV manager never
+    edits a stored list in place): reuse, reordering, a new list for a request, padding."""
+    b = _builder()
+    la, lb, lc = [1, 2], [3, 8], [4, 5, 6]
+    ra, rb, rc = (_Req(n, [9] * 6, 3) for n in "abc")
+
+    def step(*rows: tuple[_Req, list[int]], pad_to: int | None = None):
+        out = b.build(_Out([_Sched(r, 5, 1, blocks) for r, blocks in rows]), pad_to=pad_to)
+        n = len(rows)
+        for i, (_, blocks) in enumerate(rows):  # the kernel reads columns < len(blocks)
+            assert out.meta.block_tables[i, : len(blocks)].tolist() == blocks
+        assert out.meta.slot_mapping[:n].tolist() == [blocks[5 // 4] * 4 + 1 for _, blocks in rows]
+        return out
+
+    step((ra, la), (rb, lb), (rc, lc))
+    step((ra, la), (rb, lb), (rc, lc))  # same lists: nothing rewritten, still right
+    step((rc, lc), (ra, la))  # reordered and one gone
+    la2 = [1, 7]  # a's blocks changed (e.g. copy-on-write): a new list of the same length
+    step((rc, lc), (ra, la2))
+    step((ra, la2), (rb, lb), pad_to=4)  # padding rows 2-3 take the null block ...
+    step((ra, la2), (rb, lb), (rc, lc), (ra, la2))  # ... and are rewritten when used again
+    assert b.table_np[3, :2].tolist() == la2
