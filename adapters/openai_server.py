@@ -16,10 +16,11 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 import pydantic
+import pydantic_core
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -273,6 +274,26 @@ def _sse(model: pydantic.BaseModel) -> str:
     return f"data: {model.model_dump_json(exclude_unset=True)}\n\n"
 
 
+class _TextEvent:
+    """The SSE event of one text chunk, serialized once: per chunk only the text is encoded.
+
+    ``make(text)`` builds the chunk's model; the event is that model's JSON with the text
+    put in by the same serializer (``pydantic_core.to_json``), so the bytes equal
+    ``_sse(make(text))``. Falls back to that when the sentinel is not found exactly once.
+    """
+
+    def __init__(self, make: Callable[[str], pydantic.BaseModel]) -> None:
+        self.make = make
+        sentinel = f"@@text-{uuid.uuid4().hex}@@"
+        parts = _sse(make(sentinel)).split(f'"{sentinel}"')
+        self.parts = (parts[0], parts[1]) if len(parts) == 2 else None
+
+    def __call__(self, text: str) -> str:
+        if self.parts is None:
+            return _sse(self.make(text))
+        return self.parts[0] + pydantic_core.to_json(text).decode() + self.parts[1]
+
+
 def _sse_error(err: AdapterError) -> str:
     body = ErrorResponse(error=ErrorInfo(message=err.message, type=_ERROR_TYPES.get(err.status, "error"),
                                          param=err.param, code=err.code))
@@ -363,29 +384,49 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
 
 async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput],
                        text: _TokenText | None, k: int, include_usage: bool) -> AsyncIterator[str]:
+    """SSE events of a chat stream; the events of one delta go out in one write."""
     created = int(time.time())
-    deltas = _chain(first, stream)
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    content_events: dict[int, _TextEvent] = {}
 
     def chunk(choice: ChatCompletionStreamChoice) -> str:
         return _sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=model,
                                         choices=[choice], **extra))
 
-    last: RequestOutput | None = None
+    def content(index: int, s: str) -> str:
+        event = content_events.get(index)
+        if event is None:
+            event = content_events[index] = _TextEvent(lambda t: ChatCompletionChunk(
+                id=rid, object="chat.completion.chunk", created=created, model=model,
+                choices=[ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=t), logprobs=None,
+                                                    finish_reason=None)], **extra))
+        return event(s)
+
+    def events(delta: RequestOutput) -> str:
+        out = []
+        for c in delta.outputs:
+            if text is not None and (c.text or c.token_ids):
+                lp = _chat_logprobs(c.token_ids, c.logprobs or [], k, text)
+                out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                            logprobs=lp, finish_reason=None)))
+            elif c.text:
+                out.append(content(c.index, c.text))
+            if c.finish_reason is not None:
+                out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+        return "".join(out)
+
+    last: RequestOutput | None = first
     try:
-        for i in range(n):
-            yield chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
-                                                   logprobs=None, finish_reason=None))
-        async for delta in deltas:
-            last = delta
-            for c in delta.outputs:
-                if c.text or (text is not None and c.token_ids):
-                    lp = _chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None else None
-                    yield chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                           logprobs=lp, finish_reason=None))
-                if c.finish_reason is not None:
-                    yield chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                           finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        head = "".join(chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
+                                                        logprobs=None, finish_reason=None)) for i in range(n))
+        yield head + (events(first) if first is not None else "")
+        if first is not None and not first.finished:
+            async for delta in stream:
+                last = delta
+                out = events(delta)
+                if out:
+                    yield out
         if include_usage:
             yield _sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=model,
                                             choices=[], usage=_usage([last])))
@@ -503,43 +544,78 @@ def _extend(acc: CompletionLogprobs, more: CompletionLogprobs) -> None:
 async def _completion_stream(rid: str, model: str, n: int, firsts: list[RequestOutput | None],
                              streams: list[AsyncIterator[RequestOutput]], echoes: list[str], body: CompletionRequest,
                              text: _TokenText, include_usage: bool) -> AsyncIterator[str]:
+    """SSE events of a completion stream; the events of one delta go out in one write."""
     created = int(time.time())
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
     k = body.logprobs
     offsets: dict[int, int] = {}
     echoed: set[int] = set()
-    finals: dict[int, RequestOutput] = {}
+    last: dict[int, RequestOutput] = {}  # the latest delta of each prompt: its usage is the total so far
+    prompt_logprobs: dict[int, list[LogprobsDict | None]] = {}
+    text_events: dict[int, _TextEvent] = {}
 
     def chunk(choice: CompletionChoice) -> str:
         return _sse(CompletionResponse(id=rid, object="text_completion", created=created, model=model,
                                        choices=[choice], **extra))
 
+    def text_chunk(index: int, s: str) -> str:
+        event = text_events.get(index)
+        if event is None:
+            event = text_events[index] = _TextEvent(lambda t: CompletionResponse(
+                id=rid, object="text_completion", created=created, model=model,
+                choices=[CompletionChoice(index=index, text=t, logprobs=None, finish_reason=None)], **extra))
+        return event(s)
+
+    def events(pi: int, delta: RequestOutput) -> str:
+        last[pi] = delta
+        if delta.prompt_logprobs is not None:
+            prompt_logprobs[pi] = delta.prompt_logprobs
+        out = []
+        for c in delta.outputs:
+            index = pi * n + c.index
+            prefix, lp = "", None
+            if k is not None:
+                lp = CompletionLogprobs()
+            if index not in echoed:
+                echoed.add(index)
+                prefix = echoes[pi]
+                if k is not None and body.echo and pi in prompt_logprobs:
+                    lp, offsets[index] = _completion_logprobs(delta.prompt_token_ids, prompt_logprobs[pi], k,
+                                                              text, 0)
+            if prefix or c.text or (k is not None and c.token_ids):
+                if lp is not None:
+                    more, offsets[index] = _completion_logprobs(c.token_ids, c.logprobs or [], k, text,
+                                                                offsets.get(index, 0))
+                    _extend(lp, more)
+                    out.append(chunk(CompletionChoice(index=index, text=prefix + c.text, logprobs=lp,
+                                                      finish_reason=None)))
+                else:
+                    out.append(text_chunk(index, prefix + c.text))
+            if c.finish_reason is not None:
+                out.append(chunk(CompletionChoice(index=index, text="", finish_reason=c.finish_reason,
+                                                  stop_reason=c.stop_reason)))
+        return "".join(out)
+
     try:
-        async for pi, delta in _merge_streams([_chain(f, s) for f, s in zip(firsts, streams, strict=True)]):
-            finals[pi] = merge_delta(finals.get(pi), delta)
-            for c in delta.outputs:
-                index = pi * n + c.index
-                prefix, lp = "", None
-                if k is not None:
-                    lp = CompletionLogprobs()
-                if index not in echoed:
-                    echoed.add(index)
-                    prefix = echoes[pi]
-                    if k is not None and body.echo and finals[pi].prompt_logprobs is not None:
-                        lp, offsets[index] = _completion_logprobs(finals[pi].prompt_token_ids,
-                                                                  finals[pi].prompt_logprobs, k, text, 0)
-                if prefix or c.text or (k is not None and c.token_ids):
-                    if lp is not None:
-                        more, offsets[index] = _completion_logprobs(c.token_ids, c.logprobs or [], k, text,
-                                                                    offsets.get(index, 0))
-                        _extend(lp, more)
-                    yield chunk(CompletionChoice(index=index, text=prefix + c.text, logprobs=lp, finish_reason=None))
-                if c.finish_reason is not None:
-                    yield chunk(CompletionChoice(index=index, text="", finish_reason=c.finish_reason,
-                                                 stop_reason=c.stop_reason))
+        if len(streams) == 1:  # no merging task: the deltas straight from the adapter
+            first = firsts[0]
+            if first is not None:
+                out = events(0, first)
+                if out:
+                    yield out
+                if not first.finished:
+                    async for delta in streams[0]:
+                        out = events(0, delta)
+                        if out:
+                            yield out
+        else:
+            async for pi, delta in _merge_streams([_chain(f, s) for f, s in zip(firsts, streams, strict=True)]):
+                out = events(pi, delta)
+                if out:
+                    yield out
         if include_usage:
             yield _sse(CompletionResponse(id=rid, object="text_completion", created=created, model=model,
-                                          choices=[], usage=_usage(list(finals.values()))))
+                                          choices=[], usage=_usage(list(last.values()))))
     except AdapterError as err:
         yield _sse_error(err)
     except Exception as exc:

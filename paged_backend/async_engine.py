@@ -1,8 +1,11 @@
 """The engine loop in a background thread, behind an asyncio API (the adapter API's core).
 
 Callers' coroutines never touch engine state: requests are validated in the caller's
-thread (``process_input`` is pure), then handed to the loop thread through a queue;
-deltas come back through per-request ``asyncio.Queue``s via ``call_soon_threadsafe``.
+thread (``process_input`` is pure), then handed to the loop thread through a queue.
+Outputs come back through one slot per request (vLLM's ``RequestOutputCollector``): when
+the consumer has not taken the last delta yet, the next one is merged into it, so a slow
+consumer (an HTTP writer under load) gets fewer, bigger deltas instead of a growing queue,
+and the loop thread wakes each event loop once per step, not once per request.
 """
 
 from __future__ import annotations
@@ -13,26 +16,94 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from typing import Any
 
 from paged_backend.config import EngineConfig
 from paged_backend.engine import LLMEngine, PreparedRequest
 from paged_backend.errors import EngineDeadError, InvalidRequestError
 from paged_backend.gc_heap import frozen_heap
-from paged_backend.outputs import RequestOutput
-from paged_backend.sampling_params import SamplingParams
+from paged_backend.outputs import RequestOutput, merge_delta
+from paged_backend.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
 class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+    """One request's undelivered output: put by the loop thread, taken by the consumer.
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    A DELTA request's new delta is merged into the undelivered one (texts, ids, logprobs
+    appended; finish, usage and totals from the newer); any other kind's output replaces it
+    (each holds everything so far). An error is delivered after the pending output.
+    """
+
+    __slots__ = ("loop", "merge", "lock", "pending", "error", "waiter")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, merge: bool) -> None:
+        self.loop = loop
+        self.merge = merge
+        self.lock = threading.Lock()
+        self.pending: RequestOutput | None = None
+        self.error: BaseException | None = None
+        self.waiter: asyncio.Future | None = None  # set while the consumer waits (event loop thread only)
+
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        """Loop thread. True when the slot was empty: the consumer may be waiting, wake it."""
+        with self.lock:
+            was_empty = self.pending is None and self.error is None
+            if isinstance(item, BaseException):
+                if self.error is None:
+                    self.error = item
+            elif self.pending is None or not self.merge:
+                self.pending = item
+            else:  # the consumer is behind: one bigger delta (the pending one is ours to extend)
+                merge_delta(self.pending, item)
+            return was_empty
+
+    def take(self) -> RequestOutput | BaseException | None:
+        """Event loop thread: the pending output (or then the error); None when there is nothing yet."""
+        with self.lock:
+            item = self.pending
+            if item is not None:
+                self.pending = None
+                return item
+            return self.error
+
+    async def get(self) -> RequestOutput | BaseException:
+        while True:
+            item = self.take()
+            if item is not None:
+                return item
+            waiter = self.waiter = self.loop.create_future()
+            try:
+                await waiter
+            finally:
+                self.waiter = None
+
+
+def _wake(streams: list[_Stream]) -> None:
+    """Event loop thread: resume the consumers among ``streams`` that wait for an output."""
+    for s in streams:
+        w = s.waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+
+def _notify(streams: list[_Stream]) -> None:
+    """Loop thread: one wake-up call per event loop for all of ``streams``."""
+    if not streams:
+        return
+    loop = streams[0].loop
+    if all(s.loop is loop for s in streams):
+        groups = {loop: streams}
+    else:
+        groups = {}
+        for s in streams:
+            groups.setdefault(s.loop, []).append(s)
+    for lp, group in groups.items():
+        try:
+            lp.call_soon_threadsafe(_wake, group)
+        except RuntimeError:  # that event loop is closed: nobody is left to wake there
+            pass
 
 
 class AsyncEngine:
@@ -81,7 +152,7 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         request_id = request_id or uuid.uuid4().hex
         prep = self.engine.process_input(request_id, prompt, sampling_params, cache_salt=cache_salt)
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
+        stream = _Stream(asyncio.get_running_loop(), prep.params.output_kind is RequestOutputKind.DELTA)
         with self._lock:
             if request_id in self._streams:
                 raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
@@ -90,7 +161,7 @@ class AsyncEngine:
         finished = False
         try:
             while True:
-                item = await stream.queue.get()
+                item = await stream.get()
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -133,8 +204,8 @@ class AsyncEngine:
             elif kind == "abort":
                 final = self.engine.abort_request(payload)
                 stream = self._streams.get(payload)
-                if stream is not None and final is not None:
-                    stream.put(final)
+                if stream is not None and final is not None and stream.put(final):
+                    _notify([stream])
             if done is not None:
                 done.set()
 
@@ -143,8 +214,8 @@ class AsyncEngine:
             self.engine.add_prepared(prep)
         except Exception as exc:  # e.g. an id reused between validation and now
             stream = self._streams.get(prep.request_id)
-            if stream is not None:
-                stream.put(exc)
+            if stream is not None and stream.put(exc):
+                _notify([stream])
 
     def _loop(self) -> None:
         with frozen_heap():  # the loop runs for the engine's life: collections skip the start-up heap
@@ -161,23 +232,24 @@ class AsyncEngine:
                     continue
                 outs = self.engine.step()
                 self._publish_stats()  # first: a caller that sees its final output sees its counts
+                streams = self._streams
+                woken = []
                 for out in outs:
-                    stream = self._streams.get(out.request_id)
-                    if stream is not None:
-                        stream.put(out)
+                    stream = streams.get(out.request_id)
+                    if stream is not None and stream.put(out):
+                        woken.append(stream)
+                _notify(woken)
         except BaseException as exc:  # the loop must never die silently
             logger.exception("engine loop died")
             self._dead = exc
             with self._lock:
                 streams = list(self._streams.values())
-            for s in streams:
-                s.put(EngineDeadError(f"the engine loop died: {exc!r}"))
+            _notify([s for s in streams if s.put(EngineDeadError(f"the engine loop died: {exc!r}"))])
         finally:
             self._stopped.set()
             with self._lock:
                 streams = list(self._streams.values())
-            for s in streams:
-                s.put(EngineDeadError("the engine was shut down"))
+            _notify([s for s in streams if s.put(EngineDeadError("the engine was shut down"))])
 
     def _publish_stats(self) -> None:
         stats = self.engine.get_stats()

@@ -56,21 +56,32 @@ class RequestOutput:
 
 
 def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
-    """Fold one delta into the accumulated output of its request (texts, ids, logprobs appended)."""
+    """Fold one delta into the accumulated output of its request (texts, ids, logprobs appended).
+
+    ``acc`` is extended in place (amortized linear in the output's length) and returned; with
+    ``acc`` None a new output is built, and ``delta`` itself is never changed. Pass an ``acc``
+    nobody else holds: a delta of the engine's own, once handed over, is one.
+    """
     if acc is None:
         acc = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.usage,
                             delta.prompt_logprobs)
     by_index = {c.index: c for c in acc.outputs}
+    added = False
     for c in delta.outputs:
-        cur = by_index.setdefault(c.index, CompletionOutput(index=c.index,
-                                                             logprobs=[] if c.logprobs is not None else None))
+        cur = by_index.get(c.index)
+        if cur is None:
+            cur = by_index[c.index] = CompletionOutput(index=c.index, logprobs=[] if c.logprobs is not None else None)
+            added = True
         cur.text += c.text
-        cur.token_ids = cur.token_ids + list(c.token_ids)
+        cur.token_ids.extend(c.token_ids)
         if c.logprobs is not None:
-            cur.logprobs = (cur.logprobs or []) + list(c.logprobs)
+            if cur.logprobs is None:
+                cur.logprobs = []
+            cur.logprobs.extend(c.logprobs)
         cur.finish_reason, cur.stop_reason = c.finish_reason, c.stop_reason
         cur.cumulative_logprob, cur.num_output_tokens = c.cumulative_logprob, c.num_output_tokens
-    acc.outputs = [by_index[i] for i in sorted(by_index)]
+    if added:
+        acc.outputs = [by_index[i] for i in sorted(by_index)]
     acc.finished, acc.usage = delta.finished, delta.usage
     if delta.prompt_logprobs is not None:
         acc.prompt_logprobs = delta.prompt_logprobs
