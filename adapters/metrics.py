@@ -137,13 +137,15 @@ class PrometheusMetrics:
         }
         self._success = Counter("vllm:request_success", SPECS["vllm:request_success"].doc,
                                 ["model_name", "finished_reason"], registry=self.registry)
+        # the labelled children once: observe() runs per streamed chunk
+        self._observers = {name: h.labels(model_name=model_name) for name, h in self._histograms.items()}
         self.registry.register(_StatsCollector(self))
 
     def set_stats_source(self, stats: Callable[[], Mapping[str, float]]) -> None:
         self.stats_fn = stats
 
     def observe(self, name: str, value: float) -> None:
-        self._histograms[name].labels(model_name=self.model_name).observe(value)
+        self._observers[name].observe(value)
 
     def request_finished(self, finished_reason: str) -> None:
         self._success.labels(model_name=self.model_name, finished_reason=finished_reason).inc()
