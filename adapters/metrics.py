@@ -94,15 +94,19 @@ class RequestTimer:
         self.done = False
 
     def on_delta(self, out: RequestOutput) -> None:
+        """TTFT / ITL per engine step, at the engine's step times (``out.step_times``, several
+        when deltas were merged for a slow consumer, as vLLM counts them); outputs without
+        step times are timed at their delivery."""
         now = self.clock()
         new_tokens = sum(len(c.token_ids) for c in out.outputs)
-        if new_tokens and self.sink is not None:
-            if self.last is None:
-                self.sink.observe("vllm:time_to_first_token_seconds", now - self.start)
-            else:
-                self.sink.observe("vllm:inter_token_latency_seconds", now - self.last)
         if new_tokens:
-            self.last = now
+            for t in out.step_times or (now,):
+                if self.sink is not None:
+                    if self.last is None:
+                        self.sink.observe("vllm:time_to_first_token_seconds", t - self.start)
+                    else:
+                        self.sink.observe("vllm:inter_token_latency_seconds", t - self.last)
+                self.last = t
         self.prompt_tokens = out.usage.prompt_tokens
         self.generation_tokens = out.usage.completion_tokens
         if out.finished:

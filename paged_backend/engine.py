@@ -451,7 +451,7 @@ class LLMEngine:
                 touched[group.prep.request_id] = group
 
         self.stats.on_step(launched.sched.num_tokens, len(rows), self.scheduler, self.kv)
-        results = [self._make_output(group) for group in touched.values()]
+        results = [self._make_output(group, now) for group in touched.values()]
         for rid, group in ended.items():
             if not group.finished:
                 continue
@@ -549,9 +549,10 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish(req, status)
 
-    def _make_output(self, group: _Group) -> RequestOutput:
+    def _make_output(self, group: _Group, step_time: float | None = None) -> RequestOutput:
         """The group's output of its kind: DELTA holds what is new since the last one (and resets
-        it), CUMULATIVE and FINAL_ONLY hold everything so far."""
+        it), CUMULATIVE and FINAL_ONLY hold everything so far. ``step_time``: when the step
+        that produced a DELTA's new tokens was processed (its ``step_times``)."""
         delta = group.kind is RequestOutputKind.DELTA
         outs = []
         for s in group.samples:
@@ -590,8 +591,9 @@ class LLMEngine:
             completion_tokens=sum(len(s.request.output_token_ids) for s in group.samples),
             cached_tokens=max(0, lead.num_cached_tokens),
         )
+        times = [step_time] if delta and step_time is not None and any(c.token_ids for c in outs) else []
         return RequestOutput(group.prep.request_id, group.prep.prompt, group.prep.prompt_token_ids,
-                             outs, group.finished, usage, prompt_lp)
+                             outs, group.finished, usage, prompt_lp, times)
 
     # -- introspection -------------------------------------------------------------------
 

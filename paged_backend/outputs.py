@@ -53,6 +53,10 @@ class RequestOutput:
     finished: bool
     usage: Usage
     prompt_logprobs: list[LogprobsDict | None] | None = None
+    # DELTA outputs: the engine's time (time.monotonic) of each step whose new tokens this
+    # output carries (one per step; deltas merged for a slow consumer keep them all), so
+    # TTFT / inter-token latency metrics see the steps, not the deliveries. [] otherwise.
+    step_times: list[float] = field(default_factory=list)
 
 
 def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -64,7 +68,7 @@ def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
     """
     if acc is None:
         acc = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.usage,
-                            delta.prompt_logprobs)
+                            delta.prompt_logprobs, [])
     by_index = {c.index: c for c in acc.outputs}
     added = False
     for c in delta.outputs:
@@ -83,6 +87,7 @@ def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
     if added:
         acc.outputs = [by_index[i] for i in sorted(by_index)]
     acc.finished, acc.usage = delta.finished, delta.usage
+    acc.step_times.extend(delta.step_times)
     if delta.prompt_logprobs is not None:
         acc.prompt_logprobs = delta.prompt_logprobs
     return acc

@@ -11,7 +11,7 @@ from paged_backend.adapters.api import AdapterError, EngineAdapter, build_sampli
 from paged_backend.adapters.metrics import PrometheusMetrics, RequestTimer
 
 from paged_backend.errors import EngineDeadError, InvalidRequestError
-from paged_backend.outputs import CompletionOutput, RequestOutput, Usage
+from paged_backend.outputs import CompletionOutput, RequestOutput, Usage, merge_delta
 from paged_backend.sampling_params import SamplingParams
 
 ENGINE_ARGS = {"model": "SmolLM2-135M-Instruct", "max_model_len": 512, "num_gpu_blocks_override": 128}
@@ -129,6 +129,25 @@ def test_request_timer_feeds_vllm_histograms_and_stats_gauges():
     assert _sample(text, "vllm:kv_cache_usage_perc") == 0.25
     assert _sample(text, "vllm:prompt_tokens_total") == 30
     assert _sample(text, "vllm:prefix_cache_hits_total") == 16
+
+
+def test_request_timer_counts_engine_steps_of_merged_deltas():
+    """A delta merged from three engine steps (slow consumer) gives one TTFT and two ITLs at
+    the engine's step times, not one observation at its delivery."""
+    metrics = PrometheusMetrics("m")
+    timer = RequestTimer(metrics, clock=lambda: 50.0)  # created at 50.0 ... delivered at 50.0: unused
+    first = merge_delta(None, _delta([5], completion=1))
+    first.step_times = [50.2]
+    for tok, t in ((6, 50.25), (7, 50.4)):
+        d = _delta([tok], completion=tok - 4)
+        d.step_times = [t]
+        merge_delta(first, d)
+    assert first.outputs[0].token_ids == [5, 6, 7] and first.step_times == [50.2, 50.25, 50.4]
+    timer.on_delta(first)
+    text = metrics.render()
+    assert _sample(text, "vllm:time_to_first_token_seconds_sum") == pytest.approx(0.2)
+    assert _sample(text, "vllm:inter_token_latency_seconds_count") == 2
+    assert _sample(text, "vllm:inter_token_latency_seconds_sum") == pytest.approx(0.2)
 
 
 # -- the real engine ---------------------------------------------------------------------

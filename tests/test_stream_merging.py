@@ -108,6 +108,9 @@ def test_slow_consumer_gets_merged_deltas_equal_to_the_whole_output(engine):
     assert last.outputs[0].cumulative_logprob == pytest.approx(want.cumulative_logprob)
     for d in slow:  # totals are the newest step's: they count every token delivered so far
         assert d.usage.completion_tokens == d.outputs[0].num_output_tokens
+        assert len(d.step_times) == len(d.outputs[0].token_ids)  # one engine step per token (n = 1)
+    times = [t for d in slow for t in d.step_times]
+    assert times == sorted(times) and not whole.step_times  # FINAL_ONLY outputs carry none
     assert_no_leak(engine.engine)
 
 
