@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import re
+import weakref
 from collections.abc import Iterable
 from dataclasses import replace
 from typing import TYPE_CHECKING
@@ -65,6 +66,8 @@ _IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cach
 # BLAS libraries). The packed copy is extra memory the size of the fp32 weights, made on first
 # use; ``load_weights`` drops it. Packed copies take at most a quarter of the RAM that was free
 # when the first one was made (``_PACK_BUDGET``): a large model keeps F.linear, not 2x its weights.
+# A packed copy's bytes go back to the budget when it is freed (its layer or engine is), so a
+# process that builds engine after engine keeps packing.
 _ONEDNN_MIN_ROWS = 2
 _PACK_BUDGET: list[int] = []  # bytes packed copies may still take in this process (set on first use)
 _PACKED = "_onednn_packed"  # module attribute: {(start, stop): (weight data_ptr, packed) | None}
@@ -101,7 +104,13 @@ def _packed_weight(layer: nn.Module, rows: tuple[int, int], w: torch.Tensor) -> 
         return None
     cache[rows] = (w.data_ptr(), packed)
     _PACK_BUDGET[0] -= nbytes
+    weakref.finalize(packed, _credit, _PACK_BUDGET, nbytes)
     return packed
+
+
+def _credit(budget: list[int], nbytes: int) -> None:
+    """A packed copy was freed: its bytes go back to the budget it was taken from."""
+    budget[0] += nbytes
 
 
 def _free_ram() -> int:
