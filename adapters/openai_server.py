@@ -416,17 +416,18 @@ async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None
                                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
         return "".join(out)
 
-    last: RequestOutput | None = first
+    last: RequestOutput | None = None
     try:
+        # the role chunks go out with the first delta's events
         head = "".join(chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
                                                         logprobs=None, finish_reason=None)) for i in range(n))
-        yield head + (events(first) if first is not None else "")
-        if first is not None and not first.finished:
-            async for delta in stream:
-                last = delta
-                out = events(delta)
-                if out:
-                    yield out
+        async for delta in _chain(first, stream):
+            last = delta
+            out, head = head + events(delta), ""
+            if out:
+                yield out
+        if head:
+            yield head
         if include_usage:
             yield _sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=model,
                                             choices=[], usage=_usage([last])))
@@ -597,22 +598,10 @@ async def _completion_stream(rid: str, model: str, n: int, firsts: list[RequestO
         return "".join(out)
 
     try:
-        if len(streams) == 1:  # no merging task: the deltas straight from the adapter
-            first = firsts[0]
-            if first is not None:
-                out = events(0, first)
-                if out:
-                    yield out
-                if not first.finished:
-                    async for delta in streams[0]:
-                        out = events(0, delta)
-                        if out:
-                            yield out
-        else:
-            async for pi, delta in _merge_streams([_chain(f, s) for f, s in zip(firsts, streams, strict=True)]):
-                out = events(pi, delta)
-                if out:
-                    yield out
+        async for pi, delta in _merge_streams([_chain(f, s) for f, s in zip(firsts, streams, strict=True)]):
+            out = events(pi, delta)
+            if out:
+                yield out
         if include_usage:
             yield _sse(CompletionResponse(id=rid, object="text_completion", created=created, model=model,
                                           choices=[], usage=_usage(list(last.values()))))

@@ -90,15 +90,9 @@ def _wake(streams: list[_Stream]) -> None:
 
 def _notify(streams: list[_Stream]) -> None:
     """Loop thread: one wake-up call per event loop for all of ``streams``."""
-    if not streams:
-        return
-    loop = streams[0].loop
-    if all(s.loop is loop for s in streams):
-        groups = {loop: streams}
-    else:
-        groups = {}
-        for s in streams:
-            groups.setdefault(s.loop, []).append(s)
+    groups: dict[asyncio.AbstractEventLoop, list[_Stream]] = {}
+    for s in streams:
+        groups.setdefault(s.loop, []).append(s)
     for lp, group in groups.items():
         try:
             lp.call_soon_threadsafe(_wake, group)

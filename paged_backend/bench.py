@@ -184,7 +184,6 @@ def run_throughput(args: argparse.Namespace) -> int:
     for temp in sorted(set(temps)):
         llm.generate(warm, params(8, temp), use_tqdm=False)
     variants = sum(compiled_variants().values())
-    n_in = sum(len(p) for p in prompts)
     rows = []
     for temp in temps:
         engine.reset_prefix_cache()
@@ -197,13 +196,9 @@ def run_throughput(args: argparse.Namespace) -> int:
         if now > variants:  # compiles inside the timed window: the run is not steady-state
             print(f"run {len(rows) + 1}: {now - variants} Triton kernel variants compiled during the run")
         variants = now
-        rows.append(dict(engine="paged-backend", device=str(engine.device),
-                         dtype=str(engine.dtype).replace("torch.", ""), kv=str(engine.runner.kv_dtype).replace(
-                             "torch.", ""), temperature=temp, prompts=len(prompts), input_tokens=n_in,
-                         output_tokens=n_gen, elapsed_s=round(dt, 3), req_s=round(len(prompts) / dt, 2),
-                         output_tok_s=round(n_gen / dt, 1), total_tok_s=round((n_gen + n_in) / dt, 1),
-                         peak_kv_usage=round(engine.stats.peak_kv_usage, 4),
-                         kv_waste=round(engine.stats.peak_kv_waste, 4)))
+        rows.append(result_row("paged-backend", engine.device, engine.dtype, engine.runner.kv_dtype, temp, prompts,
+                               n_gen, dt, peak_kv_usage=round(engine.stats.peak_kv_usage, 4),
+                               kv_waste=round(engine.stats.peak_kv_waste, 4)))
     counts = getattr(engine.runner, "step_counts", None)
     if counts is not None:
         print(f"forward passes: {counts['graph']} CUDA-graph replays, {counts['eager']} eager; "
@@ -245,18 +240,11 @@ class HFTarget:
 
 def release_device_memory(device) -> None:
     """Collect garbage and return the CUDA caching allocator's free blocks (so transformers sizes
-    its cache from memory the freed engine no longer holds); prints what is free on CUDA.
-
-    Unfreezes the heap first: frozen objects are never collected, and the engine's
-    ``generate()`` leaves everything frozen when the freeze count was not 0 before it (seen on
-    CUDA), which kept a freed engine's KV cache (122 GiB on W1) alive.
-    """
+    its cache from memory the freed engine no longer holds); prints what is free on CUDA."""
     import gc
 
     import torch
 
-    if gc.get_freeze_count():
-        gc.unfreeze()
     gc.collect()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -297,13 +285,19 @@ def hf_model(target: HFTarget):
     return model.eval()
 
 
-def _hf_row(label: str, target: HFTarget, prompts: list[list[int]], n_gen: int, dt: float) -> dict[str, Any]:
+def result_row(label: str, device, dtype, kv_dtype, temperature: float, prompts: list[list[int]], n_gen: int,
+               dt: float, peak_kv_usage: float | None = None, kv_waste: float | None = None) -> dict[str, Any]:
+    """One row of the table: a timed run of ``prompts`` that generated ``n_gen`` tokens in ``dt`` s."""
     n_in = sum(len(p) for p in prompts)
-    dtype = str(target.dtype).replace("torch.", "")
-    return dict(engine=label, device=str(target.device), dtype=dtype, kv=dtype, temperature=0.0,
-                prompts=len(prompts), input_tokens=n_in, output_tokens=n_gen, elapsed_s=round(dt, 3),
-                req_s=round(len(prompts) / dt, 2), output_tok_s=round(n_gen / dt, 1),
-                total_tok_s=round((n_gen + n_in) / dt, 1), peak_kv_usage=None, kv_waste=None)
+    return dict(engine=label, device=str(device), dtype=str(dtype).replace("torch.", ""),
+                kv=str(kv_dtype).replace("torch.", ""), temperature=temperature, prompts=len(prompts),
+                input_tokens=n_in, output_tokens=n_gen, elapsed_s=round(dt, 3), req_s=round(len(prompts) / dt, 2),
+                output_tok_s=round(n_gen / dt, 1), total_tok_s=round((n_gen + n_in) / dt, 1),
+                peak_kv_usage=peak_kv_usage, kv_waste=kv_waste)
+
+
+def _hf_row(label: str, target: HFTarget, prompts: list[list[int]], n_gen: int, dt: float) -> dict[str, Any]:
+    return result_row(label, target.device, target.dtype, target.dtype, 0.0, prompts, n_gen, dt)
 
 
 def _sync(device) -> None:

@@ -99,9 +99,9 @@ class _Sample:
 class _Launched:
     """A step whose forward pass is queued, with how its rows get their tokens.
 
-    Sampled on the host (``token_ids``), or still on the device (``tokens``, copied to the
-    engine's pinned buffer behind ``event``; ``device_sample`` when the full sampler ran: then
-    ``Sampler.pack``'s ``packed_len`` values are copied instead).
+    Sampled on the host (``token_ids``), or still on the device (``tokens``), copied behind
+    ``event`` to ``landing`` (pinned host memory): the ids, or ``Sampler.pack`` of
+    ``device_sample`` when the full sampler ran.
     """
 
     sched: SchedulerOutput
@@ -111,7 +111,7 @@ class _Launched:
     token_ids: list[int] = field(default_factory=list)
     tokens: torch.Tensor | None = None
     device_sample: DeviceSample | None = None
-    packed_len: int = 0
+    landing: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
 
 
@@ -173,8 +173,8 @@ class LLMEngine:
         elif self.async_scheduling and config.tensor_parallel_size > 1:
             raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
         self._inflight: _Launched | None = None  # async: the step whose sampled ids are still on the device
-        self._host_tokens: torch.Tensor | None = None  # pinned landing buffer of those ids
-        self._host_packed: torch.Tensor | None = None  # ... and of full-sampler results (float64)
+        # pinned landing buffers of those ids (int64) and of full-sampler results (float64)
+        self._landing: dict[torch.dtype, torch.Tensor] = {}
         self.num_async_steps = 0  # steps sampled on the device and processed one step later
         self.stats = EngineStats(interval=0 if config.disable_log_stats else config.log_stats_interval)
         capacity = (num_blocks - 1) * config.block_size
@@ -371,26 +371,15 @@ class LLMEngine:
                 logits = logits[torch.tensor(index, device=logits.device)]
             launched.token_ids = self.sampler.greedy(logits) if fast else self._sample(rows, logits)
             return launched
-        pinned = logits.device.type == "cuda"
         if fast:
-            tokens = logits.argmax(dim=-1)
-            src = tokens
-            host = self._host_tokens
-            if host is None or host.shape[0] < tokens.shape[0]:
-                host = self._host_tokens = torch.empty(max(tokens.shape[0], self.max_num_seqs),
-                                                       dtype=torch.int64, pin_memory=pinned)
+            tokens = src = logits.argmax(dim=-1)
         else:
             # the full sampler's results in one buffer: a blocking read in _finish would wait
             # for the step queued after this one
             ds = launched.device_sample = self._sampling_metadata_sample(rows, logits)
-            tokens = ds.token_ids
-            src = self.sampler.pack(ds)
-            launched.packed_len = src.shape[0]
-            host = self._host_packed
-            if host is None or host.shape[0] < src.shape[0]:
-                host = self._host_packed = torch.empty(max(src.shape[0], 2 * self.max_num_seqs),
-                                                       dtype=torch.float64, pin_memory=pinned)
-        host[: src.shape[0]].copy_(src, non_blocking=True)
+            tokens, src = ds.token_ids, self.sampler.pack(ds)
+        launched.landing = self._landing_buffer(src)
+        launched.landing.copy_(src, non_blocking=True)
         if tokens.device.type == "cuda":
             launched.event = torch.cuda.Event()
             launched.event.record()
@@ -400,20 +389,26 @@ class LLMEngine:
             sample.request.num_pending = 1
         return launched
 
+    def _landing_buffer(self, src: torch.Tensor) -> torch.Tensor:
+        """A host slice of ``src``'s size and dtype, pinned on CUDA, reused step after step (one
+        step's results are read in _finish before the next step's land)."""
+        n = src.shape[0]
+        buf = self._landing.get(src.dtype)
+        if buf is None or buf.shape[0] < n:
+            buf = self._landing[src.dtype] = torch.empty(max(n, 2 * self.max_num_seqs), dtype=src.dtype,
+                                                         pin_memory=src.device.type == "cuda")
+        return buf[:n]
+
     def _finish(self, launched: _Launched) -> list[RequestOutput]:
         """Append a sampled step's tokens: stop checks, detokenization, outputs, frees."""
         out, rows = launched.out, launched.rows
         if launched.tokens is not None:  # async: wait for this step's ids now
             if launched.event is not None:
                 launched.event.synchronize()
+            assert launched.landing is not None
+            host = launched.landing.tolist()
             ds = launched.device_sample
-            if ds is not None:
-                assert self._host_packed is not None
-                flat = self._host_packed[: launched.packed_len].tolist()
-                token_ids = self._record_logprobs(rows, self.sampler.unpack(ds, flat))
-            else:
-                assert self._host_tokens is not None
-                token_ids = self._host_tokens[: launched.tokens.shape[0]].tolist()
+            token_ids = host if ds is None else self._record_logprobs(rows, self.sampler.unpack(ds, host))
             for _, sample in rows:
                 sample.request.num_pending = 0
         else:

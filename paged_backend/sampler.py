@@ -36,7 +36,9 @@ from paged_backend.sampling.metadata import (
     SamplerOutput,
     SamplingMetadata,
     fast_greedy_from,
+    pack_float64,
     seeded_generator,
+    split_flat,
 )
 from paged_backend.sampling.penalties import apply_min_tokens, apply_penalties, token_counts
 
@@ -56,6 +58,10 @@ class DeviceSample:
     sampled_logprobs: torch.Tensor | None  # float32 [R], raw distribution; None: not asked
     top_ids: torch.Tensor | None  # int64 [len(plan.logprob_rows), plan.max_logprobs]
     top_logprobs: torch.Tensor | None
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The tensors there are, in ``Sampler.pack``'s order."""
+        return [t for t in (self.token_ids, self.sampled_logprobs, self.top_ids, self.top_logprobs) if t is not None]
 
 
 class Sampler:
@@ -196,26 +202,19 @@ class Sampler:
 
     @staticmethod
     def pack(d: DeviceSample) -> torch.Tensor:
-        """A sample's tensors as one flat float64 tensor on their device, for one transfer.
-
-        float64 holds token ids (< 2**53) and float32 logprobs exactly.
-        """
-        tensors = [t for t in (d.token_ids, d.sampled_logprobs, d.top_ids, d.top_logprobs) if t is not None]
-        return torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+        """A sample's tensors as one flat float64 tensor on their device, for one transfer."""
+        return pack_float64(*d.tensors())
 
     @staticmethod
     def unpack(d: DeviceSample, flat: list[float]) -> SamplerOutput:
         """``pack``'s values, read back on the host, as per-row Python objects."""
-        n = d.plan.num_rows
-        ids = [int(t) for t in flat[:n]]
+        parts = split_flat(flat, d.tensors())
+        ids = [int(t) for t in parts[0]]
         if d.sampled_logprobs is None:
-            return SamplerOutput(sampled_token_ids=ids, sampled_logprobs=None, logprobs=[None] * n)
-        sampled_lp = flat[n : 2 * n]
+            return SamplerOutput(sampled_token_ids=ids, sampled_logprobs=None, logprobs=[None] * len(ids))
+        sampled_lp = parts[1]
+        top_ids_h, top_lp_h = (parts[2], parts[3]) if len(parts) == 4 else ([], [])
         plan, num = d.plan, d.plan.max_logprobs
-        top_ids_h = top_lp_h = flat[:0]
-        if d.top_ids is not None:
-            m = d.top_ids.numel()
-            top_ids_h, top_lp_h = flat[2 * n : 2 * n + m], flat[2 * n + m : 2 * n + 2 * m]
         logprobs: list[dict[int, float] | None] = [None] * plan.num_rows
         for j, (row, k) in enumerate(zip(plan.logprob_rows, plan.num_logprobs, strict=True)):
             span = slice(j * num, (j + 1) * num)

@@ -105,7 +105,6 @@ class StepInputBuilder:
         nbs: list[int] = []
         flat_blocks: list[int] = []  # of the rows to rewrite
         dirty_rows: list[int] = []
-        dirty_nbs: list[int] = []
         row_blocks = self._row_blocks
         sample_ids: list[str] = []
         sample_rows: list[int] = []
@@ -123,7 +122,6 @@ class StepInputBuilder:
             if row_blocks[row] is not blocks:
                 row_blocks[row] = blocks
                 dirty_rows.append(row)
-                dirty_nbs.append(len(blocks))
                 flat_blocks += blocks
             if req.sampling_params.prompt_logprobs is not None:
                 count = min(start + n, req.num_prompt_tokens - 1) - start
@@ -142,8 +140,9 @@ class StepInputBuilder:
         nb = np.asarray(nbs, dtype=np.int64)
         max_blocks = int(nb.max()) if s_count else 1
         if dirty_rows:  # block ids into their rows: row r gets columns 0..nb[r]-1
-            dnb = np.asarray(dirty_nbs, dtype=np.int64)
-            rows_of = np.repeat(np.asarray(dirty_rows, dtype=np.int64), dnb)
+            dirty = np.asarray(dirty_rows, dtype=np.int64)
+            dnb = nb[dirty]
+            rows_of = np.repeat(dirty, dnb)
             col_of = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(dnb) - dnb, dnb)
             table[rows_of, col_of] = flat_blocks
         seq_lens = self.seq_lens_np

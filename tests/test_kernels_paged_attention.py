@@ -548,3 +548,34 @@ def test_launcher_errors():
         paged_attention(q, kv[..., :32], bt, sl, qsl, 0.1)
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(q, kv, bt, sl, qsl, 0.1, sliding_window=0)
+
+
+def _not_specialized(kernel) -> set[str]:
+    """Arguments Triton compiles no per-value variants for (compiled JITFunction or the interpreter's)."""
+    params = getattr(kernel, "params", None)
+    if params is not None:
+        return {p.name for p in params if p.do_not_specialize}
+    return set(kernel.kwargs.get("do_not_specialize") or ())
+
+
+@pytest.mark.parametrize("kernel", [pa._paged_attention_kernel, pa._reduce_splits_kernel])
+def test_batch_dependent_ints_are_not_specialized(kernel):
+    """A new batch mix (num_seqs == 1, divisible by 16 or not; a split count) must not compile a
+    new variant mid-run."""
+    assert {"num_seqs", "num_splits", "stride_ms"} <= _not_specialized(kernel)
+
+
+def test_compiled_variants_counts_each_kernels_cache(monkeypatch):
+    import sys
+    import types
+
+    from paged_backend.kernels import _launch
+
+    mod = types.ModuleType("paged_backend.kernels._variants_probe")
+    mod.two = types.SimpleNamespace(device_caches={0: ({"a": 1}, None), 1: ({"b": 2}, None)})
+    mod.none = types.SimpleNamespace(device_caches={0: ({}, None)})  # never launched: left out
+    mod.other = object()
+    monkeypatch.setitem(sys.modules, mod.__name__, mod)
+    counts = _launch.compiled_variants()
+    assert counts["_variants_probe.two"] == 2
+    assert "_variants_probe.none" not in counts and "_variants_probe.other" not in counts

@@ -134,19 +134,28 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.to(device, non_blocking=True)
 
 
-def to_host(*tensors: torch.Tensor) -> list[list[float]]:
-    """Flatten tensors into float64 and read them back in ONE device->host transfer.
+def pack_float64(*tensors: torch.Tensor) -> torch.Tensor:
+    """The tensors flattened into one float64 tensor on their device, for ONE transfer.
 
     float64 holds token ids (< 2**53) and float32 logprobs exactly.
     """
-    if not tensors:
-        return []
-    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
+    return torch.cat([t.reshape(-1).to(torch.float64) for t in tensors])
+
+
+def split_flat(flat: list[float], tensors: Sequence[torch.Tensor]) -> list[list[float]]:
+    """``pack_float64(*tensors)``'s values, read back as a list, cut into one list per tensor."""
     out, start = [], 0
     for t in tensors:
         out.append(flat[start : start + t.numel()])
         start += t.numel()
     return out
+
+
+def to_host(*tensors: torch.Tensor) -> list[list[float]]:
+    """Flatten tensors into float64 and read them back in ONE device->host transfer."""
+    if not tensors:
+        return []
+    return split_flat(pack_float64(*tensors).tolist(), tensors)
 
 
 def seeded_generator(seed: int, device: torch.device | str) -> torch.Generator:
