@@ -29,8 +29,9 @@ K's scale folds into the score scale, V's into the output.
 
 Variants (``AttentionConfig`` fields, all off in the baseline config; ``pick_config`` turns
 on the ones the H200 sweep in ``bench_kernels --variants`` measured faster, per regime:
-decode with a 16-bit cache and many programs gets fused_merge + offsets32, prefill gets
-q_fold 2 + offsets32 + 5 stages; lazy_rescale and v_early lost everywhere they were timed)::
+decode with a 16-bit cache and many programs gets fused_merge + offsets32, decode with an
+fp8 cache fp8_pairs, prefill q_fold 2 + offsets32 + 5 stages; lazy_rescale and v_early lost
+everywhere they were timed)::
 
     q_fold        0: scores scaled per tile; 1: softmax scale * log2(e) folded into q in the
                   kernel; 2: folded by the launcher (one elementwise op; q then feeds the MMA as loaded)
@@ -41,6 +42,10 @@ q_fold 2 + offsets32 + 5 stages; lazy_rescale and v_early lost everywhere they w
     fused_merge   context splits merged by the last split program to finish (atomic counter
                   per (q tile, KV head)) instead of a second kernel launch
     maxnreg       > 0: register cap per thread, so more programs fit on an SM
+    fp8_pairs     fp8 cache read as int16 words of two e4m3 values, converted with bit moves
+                  into even / odd head_dim columns (``_attend_tiles_pairs``): the MMA operands are
+                  16-bit tiles, staged like bf16 ones (an 8-bit V tile is read from shared memory
+                  byte by byte for the MMA's transposed operand)
 """
 
 from __future__ import annotations
@@ -67,6 +72,45 @@ LOG2E_C = tl.constexpr(LOG2E)
 
 
 LAZY_TAU = tl.constexpr(8.0)  # lazy rescale: a row's reference max moves only when it grows by > 2^8
+
+
+@triton.jit
+def _kv_tile_rows(bt_row, kpos, seq_len, stride_kb, stride_ks, stride_vb, stride_vs, MASK: tl.constexpr,
+                  BLOCK_SIZE: tl.constexpr, OFF32: tl.constexpr):
+    """KV positions ``kpos`` [TILE_N] of one tile: which are < seq_len, and each position's K and
+    V row offset, gathered through the request's block table."""
+    kmask = kpos < seq_len
+    if MASK:
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0)
+    else:
+        blk = tl.load(bt_row + kpos // BLOCK_SIZE)
+    in_blk = kpos % BLOCK_SIZE
+    if not OFF32:  # int64 unless the launcher proved every offset in this cache fits in int32
+        blk = blk.to(tl.int64)
+        in_blk = in_blk.to(tl.int64)
+    return kmask, blk * stride_kb + in_blk * stride_ks, blk * stride_vb + in_blk * stride_vs
+
+
+@triton.jit
+def _load_tile(ptrs, len_mask, pad_mask, MASK: tl.constexpr, PADDED: tl.constexpr):
+    """A K or V tile; ``len_mask`` (positions past the sequence) only on masked tiles,
+    ``pad_mask`` (head_dim padding) only when the head dim is padded. Masked elements read 0."""
+    if MASK:
+        x = tl.load(ptrs, mask=len_mask & pad_mask, other=0.0)
+    elif PADDED:
+        x = tl.load(ptrs, mask=pad_mask, other=0.0)
+    else:
+        x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def _mask_scores(s, kpos, kmask, qpos, window, SLIDING: tl.constexpr):
+    """Scores [BLOCK_M, TILE_N] with causal / length / sliding-window masked positions at -inf."""
+    keep = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
+    if SLIDING:
+        keep = keep & (kpos[None, :] > qpos[:, None] - window)
+    return tl.where(keep, s, float("-inf"))
 
 
 @triton.jit
@@ -105,34 +149,18 @@ def _attend_tiles(
     offs_n = tl.arange(0, TILE_N)
     offs_d = tl.arange(0, D_PAD)
     dmask = offs_d < HEAD_DIM
+    PADDED: tl.constexpr = D_PAD != HEAD_DIM
     for j in range(tile_lo, tile_hi):
-        kpos = j * TILE_N + offs_n  # [TILE_N]
-        kmask = kpos < seq_len
-        if MASK:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE, mask=kmask, other=0)
-        else:
-            blk = tl.load(bt_row + kpos // BLOCK_SIZE)
-        in_blk = kpos % BLOCK_SIZE
-        if not OFF32:  # int64 unless the launcher proved every offset in this cache fits in int32
-            blk = blk.to(tl.int64)
-            in_blk = in_blk.to(tl.int64)
-        k_off = blk * stride_kb + in_blk * stride_ks  # [TILE_N]
-        v_off = blk * stride_vb + in_blk * stride_vs
+        kpos = j * TILE_N + offs_n
+        kmask, k_off, v_off = _kv_tile_rows(bt_row, kpos, seq_len, stride_kb, stride_ks, stride_vb, stride_vs,
+                                            MASK, BLOCK_SIZE, OFF32)
         k_ptrs = k_base + k_off[None, :] + offs_d[:, None]  # [D_PAD, TILE_N]
-        if MASK:
-            k = tl.load(k_ptrs, mask=kmask[None, :] & dmask[:, None], other=0.0)
-        elif D_PAD != HEAD_DIM:
-            k = tl.load(k_ptrs, mask=dmask[:, None], other=0.0)
-        else:
-            k = tl.load(k_ptrs)
+        k = _load_tile(k_ptrs, kmask[None, :], dmask[:, None], MASK, PADDED)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_M, TILE_N]
         if SCALE_S:
             s = s * qk_scale
         if MASK:
-            keep = (kpos[None, :] <= qpos[:, None]) & kmask[None, :]
-            if SLIDING:
-                keep = keep & (kpos[None, :] > qpos[:, None] - window)
-            s = tl.where(keep, s, float("-inf"))
+            s = _mask_scores(s, kpos, kmask, qpos, window, SLIDING)
         m_tile = tl.max(s, axis=1)
         if LAZY:  # p stays <= 2^LAZY_TAU; the accumulator is rescaled only on the tiles where a max jumps
             grow = m_tile > m_i + LAZY_TAU
@@ -144,12 +172,7 @@ def _attend_tiles(
         alpha = tl.math.exp2(m_i - m_use)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         v_ptrs = v_base + v_off[:, None] + offs_d[None, :]  # [TILE_N, D_PAD]
-        if MASK:
-            v = tl.load(v_ptrs, mask=kmask[:, None] & dmask[None, :], other=0.0)
-        elif D_PAD != HEAD_DIM:
-            v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
-        else:
-            v = tl.load(v_ptrs)
+        v = _load_tile(v_ptrs, kmask[:, None], dmask[None, :], MASK, PADDED)
         if V_EARLY:
             # Upcast in the load layout, then stage 16-bit values for the MMA's transposed read.
             # The split/join (a no-op on values) keeps the compiler from moving the upcast after
@@ -164,6 +187,108 @@ def _attend_tiles(
             acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+E4M3_BIAS_SHIFT = tl.constexpr(256.0)  # an e4m3 byte moved into fp16's bit positions reads 2^-8 of its value
+
+
+@triton.jit
+def _e4m3_pairs(w, ASM: tl.constexpr):
+    """Two e4m3 values packed in each int16 word -> (low byte, high byte) as fp16.
+
+    ASM: the hardware's paired conversion (``cvt.rn.f16x2.e4m3x2``, after a byte permute that
+    gathers the low / high bytes of two words), exact values. Otherwise (the interpreter) bit
+    moves that place each byte in fp16's bit positions, which reads value * 2^-8 (exact too:
+    every e4m3 value, subnormals included, is an fp16 value after the shift); the caller scales
+    by ``E4M3_BIAS_SHIFT`` when not ASM. Either way the MMA operands are 16-bit tiles the
+    compiler stages like bf16 ones (an 8-bit V tile is read from shared memory byte by byte
+    when the MMA wants it transposed)."""
+    if ASM:
+        lo, hi = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 t0, t1;
+            .reg .b16 s0, s1;
+            prmt.b32 t0, $2, 0, 0x0020;
+            prmt.b32 t1, $2, 0, 0x0031;
+            cvt.u16.u32 s0, t0;
+            cvt.u16.u32 s1, t1;
+            cvt.rn.f16x2.e4m3x2 $0, s0;
+            cvt.rn.f16x2.e4m3x2 $1, s1;
+            }""",
+            constraints="=r,=r,r",
+            args=[w],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=2,
+        )
+        return lo, hi
+    else:
+        u = w.to(tl.uint16, bitcast=True)
+        lo = ((u << 7) & 0x3F80) | ((u << 8) & 0x8000)
+        hi = ((u >> 1) & 0x3F80) | (u & 0x8000)
+        return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+
+
+@triton.jit
+def _attend_tiles_pairs(
+    acc_e,  # [BLOCK_M, H_PAD] float32: output columns 0, 2, 4, ...
+    acc_o,  # [BLOCK_M, H_PAD] float32: output columns 1, 3, 5, ...
+    m_i,
+    l_i,
+    q_e,  # [BLOCK_M, H_PAD] fp16: q's even columns (pre-scaled)
+    q_o,  # [BLOCK_M, H_PAD] fp16: q's odd columns
+    k_base,  # int16 view of this KV head in the fp8 K cache [NB, BS, Hkv, D/2]
+    v_base,
+    bt_row,
+    qpos,
+    seq_len,
+    window,
+    qk_scale,
+    tile_lo,
+    tile_hi,
+    stride_kb,  # int16 units
+    stride_ks,
+    stride_vb,
+    stride_vs,
+    MASK: tl.constexpr,
+    SLIDING: tl.constexpr,
+    TILE_N: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HALF_DIM: tl.constexpr,  # HEAD_DIM // 2
+    H_PAD: tl.constexpr,  # D_PAD // 2
+    DOT_DTYPE: tl.constexpr,  # float16 (float32 in the interpreter)
+    OFF32: tl.constexpr,
+    ASM: tl.constexpr,  # _e4m3_pairs' hardware conversion (not in the interpreter)
+):
+    """``_attend_tiles`` for an fp8 cache read as int16 pairs (``fp8_pairs``): column 2j and 2j+1
+    of a K/V row share one 16-bit word, so S = q_e K_e^T + q_o K_o^T and O = (P V_e, P V_o),
+    each MMA operand a 16-bit tile the compiler stages as it does bf16 ones."""
+    offs_n = tl.arange(0, TILE_N)
+    offs_j = tl.arange(0, H_PAD)
+    jmask = offs_j < HALF_DIM
+    PADDED: tl.constexpr = H_PAD != HALF_DIM
+    for j in range(tile_lo, tile_hi):
+        kpos = j * TILE_N + offs_n
+        kmask, k_off, v_off = _kv_tile_rows(bt_row, kpos, seq_len, stride_kb, stride_ks, stride_vb, stride_vs,
+                                            MASK, BLOCK_SIZE, OFF32)
+        kw = _load_tile(k_base + k_off[None, :] + offs_j[:, None], kmask[None, :], jmask[:, None], MASK, PADDED)
+        k_e, k_o = _e4m3_pairs(kw, ASM)
+        s = tl.dot(q_e, k_e.to(DOT_DTYPE))
+        s = tl.dot(q_o, k_o.to(DOT_DTYPE), s) * qk_scale
+        if MASK:
+            s = _mask_scores(s, kpos, kmask, qpos, window, SLIDING)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        p = tl.math.exp2(s - m_use[:, None])
+        alpha = tl.math.exp2(m_i - m_use)
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        vw = _load_tile(v_base + v_off[:, None] + offs_j[None, :], kmask[:, None], jmask[None, :], MASK, PADDED)
+        v_e, v_o = _e4m3_pairs(vw, ASM)
+        p16 = p.to(DOT_DTYPE)
+        acc_e = tl.dot(p16, v_e.to(DOT_DTYPE), acc_e * alpha[:, None])
+        acc_o = tl.dot(p16, v_o.to(DOT_DTYPE), acc_o * alpha[:, None])
+        m_i = m_new
+    return acc_e, acc_o, m_i, l_i
 
 
 @triton.jit
@@ -238,6 +363,8 @@ def _paged_attention_kernel(
     OFF32: tl.constexpr = False,  # int32 K/V offsets (the launcher checked the cache's extent)
     V_EARLY: tl.constexpr = False,
     FUSED_MERGE: tl.constexpr = False,
+    PAIRS: tl.constexpr = False,  # fp8 cache read as int16 pairs (_attend_tiles_pairs); k/v pointers are int16
+    PAIRS_ASM: tl.constexpr = False,  # PAIRS: convert with inline PTX (not in the interpreter)
 ):
     kvh = tl.program_id(0) % num_kv_heads  # heads fastest: one q tile's heads run side by side
     pid = tl.num_programs(0) // num_kv_heads - 1 - tl.program_id(0) // num_kv_heads  # last q tiles first
@@ -312,24 +439,45 @@ def _paged_attention_kernel(
     if not SLIDING:
         full_hi = tl.minimum(tl.maximum((q_first + 1) // TILE_N, t0), t1)
 
-    acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     k_base = k_ptr + kvh.to(tl.int64) * stride_kh
     v_base = v_ptr + kvh.to(tl.int64) * stride_vh
     bt_row = bt_ptr + seq.to(tl.int64) * stride_bt
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, t0, full_hi,
-        stride_kb, stride_ks, stride_vb, stride_vs,
-        False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, LAZY,
-        OFF32, V_EARLY,
-    )  # fmt: skip
-    acc, m_i, l_i = _attend_tiles(
-        acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, full_hi, t1,
-        stride_kb, stride_ks, stride_vb, stride_vs,
-        True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, LAZY,
-        OFF32, V_EARLY,
-    )  # fmt: skip
+    if PAIRS:  # fp8 cache read as int16 pairs: even / odd output columns accumulate apart
+        H_PAD: tl.constexpr = D_PAD // 2
+        q_e, q_o = tl.split(tl.reshape(q, [BLOCK_M, H_PAD, 2]))
+        acc_e = tl.zeros([BLOCK_M, H_PAD], dtype=tl.float32)
+        acc_o = tl.zeros([BLOCK_M, H_PAD], dtype=tl.float32)
+        SHIFT: tl.constexpr = 1.0 if PAIRS_ASM else E4M3_BIAS_SHIFT
+        pscale = scale * SHIFT
+        acc_e, acc_o, m_i, l_i = _attend_tiles_pairs(
+            acc_e, acc_o, m_i, l_i, q_e, q_o, k_base, v_base, bt_row, qpos, seq_len, window, pscale, t0, full_hi,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM // 2, H_PAD, DOT_DTYPE, OFF32, PAIRS_ASM,
+        )  # fmt: skip
+        acc_e, acc_o, m_i, l_i = _attend_tiles_pairs(
+            acc_e, acc_o, m_i, l_i, q_e, q_o, k_base, v_base, bt_row, qpos, seq_len, window, pscale, full_hi, t1,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM // 2, H_PAD, DOT_DTYPE, OFF32, PAIRS_ASM,
+        )  # fmt: skip
+        acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, D_PAD])
+        if not PAIRS_ASM:
+            acc = acc * SHIFT
+    else:
+        acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, t0, full_hi,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, LAZY,
+            OFF32, V_EARLY,
+        )  # fmt: skip
+        acc, m_i, l_i = _attend_tiles(
+            acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, full_hi, t1,
+            stride_kb, stride_ks, stride_vb, stride_vs,
+            True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, LAZY,
+            OFF32, V_EARLY,
+        )  # fmt: skip
 
     if FP8:
         acc = acc * tl.load(v_scale_ptr)
@@ -429,6 +577,7 @@ class AttentionConfig:
     v_early: bool = False  # fp8 caches: upcast V before its shared-memory staging
     fused_merge: bool = False  # context splits merged in-kernel by the last split (atomic counter)
     maxnreg: int = 0  # > 0: cap registers per thread (more programs per SM; may spill)
+    fp8_pairs: bool = False  # fp8 caches: read K/V as int16 pairs (even head_dim, 16-bit queries)
 
 
 SMEM_BUDGET = 227 * 1024  # shared memory one program may use: the H200's per-block opt-in maximum, 232,448 B
@@ -480,7 +629,9 @@ def pick_config(
       equal at batch 64/256 (1 split). The gain is the offsets' (the merge alone was 0.5-0.7%
       slower; int32 offsets without it were not timed on decode). With fewer programs (batch
       1: 16-33 splits merged serially by 8 programs) merge + offsets were 7% slower (the merge
-      alone 11-14%), so the baseline stays. fp8 caches: the baseline won or tied every cell.
+      alone 11-14%), so the baseline stays.
+    - decode, fp8 cache, 16-bit q: ``fp8_pairs`` (fifth session: 1.17-1.43x the fp8 baseline
+      over 11 cells, W1's and issue 3's; fused merge + int32 offsets on top were -3% to +2%).
     - prefill, 16-bit q: 5 stages, softmax scale folded into q by the launcher, int32 offsets;
       KV tiles of 128 positions past ``LONG_PREFILL`` (8k: 1.22x the baseline), else 32
       positions with a 128-register cap (2 programs per SM; 2k: 1.18x). Other dtypes keep
@@ -498,6 +649,8 @@ def pick_config(
         block_m, tile_n, warps, stages = max(16, next_pow2(group)), 128, 4, 3
         if not baseline and sixteen and num_seqs * num_kv_heads >= FUSED_MIN_PROGRAMS:
             extra = {"fused_merge": True, "offsets32": True}
+        elif not baseline and kv_elem == 1 and q_elem == 2 and head_dim % 2 == 0:
+            extra = {"fp8_pairs": True}
     elif d_pad <= 128:
         block_m, tile_n, warps, stages = max(128, next_pow2(group)), 128, 8, 3
         if not baseline:
@@ -655,7 +808,7 @@ def paged_attention(
                                 smem_budget=_smem_budget(device))
     if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
         raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
-    if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0:
+    if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0 or (cfg.fp8_pairs and cfg.lazy_rescale):
         raise ValueError(f"bad attention config {cfg}")
     block_q = cfg.block_m // group
     decode_only = max_query_len <= 1
@@ -669,6 +822,9 @@ def paged_attention(
     kc, vc = kv_cache[0], kv_cache[1]
     if kc.stride(-1) != 1 or query.stride(-1) != 1 or out.stride(-1) != 1:
         raise ValueError("query, kv_cache and out must be contiguous in head_dim")
+    pairs = cfg.fp8_pairs and fp8 and d % 2 == 0 and query.dtype != torch.float32
+    if pairs:  # the kernel reads two e4m3 values per int16 word; offsets count words
+        kc, vc = kc.view(torch.int16), vc.view(torch.int16)
     split = num_splits > 1
     sem = _split_semaphores(device, grid_q * hkv) if split and cfg.fused_merge else None
     fused = sem is not None
@@ -687,7 +843,7 @@ def paged_attention(
     dot_dt = dot_dtype(torch.float16 if fp8 and query.dtype != torch.float32 else query.dtype)
     precision = "ieee" if query.dtype == torch.float32 or interpreting() else "tf32"
     opts = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
-    off32 = cfg.offsets32 and _fits_int32(kc, d) and _fits_int32(vc, d)
+    off32 = cfg.offsets32 and _fits_int32(kc, kc.shape[-1]) and _fits_int32(vc, vc.shape[-1])
     q_in = query
     if cfg.q_fold == 2:  # fold softmax scale (* log2 e, the kernel's exp2 domain) into q here
         q_in = torch.mul(query, scale * LOG2E)
@@ -709,7 +865,7 @@ def paged_attention(
         HEAD_DIM=d, D_PAD=next_pow2(d), FP8=fp8, SLIDING=sliding_window is not None, SPLIT=split,
         DECODE_ONLY=decode_only, DOT_DTYPE=dot_dt, PRECISION=precision,
         Q_FOLD=cfg.q_fold, LAZY=cfg.lazy_rescale, OFF32=off32, V_EARLY=cfg.v_early and fp8, FUSED_MERGE=fused,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        PAIRS=pairs, PAIRS_ASM=pairs and not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )  # fmt: skip
     if split and not fused:
         block_h = next_pow2(h) if interpreting() else 1  # the interpreter pays per program

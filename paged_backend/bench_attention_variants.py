@@ -70,6 +70,18 @@ DECODE_VARIANTS = [
     Variant("ve maxnreg128", {**_VE, "maxnreg": 128}, kinds=("fp8",)),
     Variant("ve splits x2", _VE, "x2", kinds=("fp8",)),
     Variant("ve splits /2", _VE, "/2", kinds=("fp8",)),
+    Variant("pairs", {"fp8_pairs": True}, kinds=("fp8",)),
+    Variant("pairs fo32", {**_FO, "fp8_pairs": True}, kinds=("fp8",)),
+    Variant("pairs fo32 t64", {**_FO, "fp8_pairs": True, "tile_n": 64}, kinds=("fp8",)),
+    Variant("pairs fo32 stages4", {**_FO, "fp8_pairs": True, "num_stages": 4}, kinds=("fp8",)),
+    Variant("pairs fo32 w8", {**_FO, "fp8_pairs": True, "num_warps": 8}, kinds=("fp8",)),
+    Variant("pairs fo32 t256 w8", {**_FO, "fp8_pairs": True, "tile_n": 256, "num_warps": 8}, kinds=("fp8",)),
+    Variant("pairs splits x2", {"fp8_pairs": True}, "x2", kinds=("fp8",)),
+    Variant("pairs splits /2", {"fp8_pairs": True}, "/2", kinds=("fp8",)),
+    Variant("pairs maxnreg128", {"fp8_pairs": True, "maxnreg": 128}, kinds=("fp8",)),
+    Variant("pairs t64", {"fp8_pairs": True, "tile_n": 64}, kinds=("fp8",)),
+    Variant("pairs t64 splits x2", {"fp8_pairs": True, "tile_n": 64}, "x2", kinds=("fp8",)),
+    Variant("pairs stages4", {"fp8_pairs": True, "num_stages": 4}, kinds=("fp8",)),
 ]
 
 _F2 = {"q_fold": 2, "offsets32": True}
@@ -95,6 +107,15 @@ def parse_cells(spec: str) -> list[tuple[int, int]]:
             b, c = item.lower().split("x")
             cells.append((int(b), int(c)))
     return cells
+
+
+def selected(variants: list[Variant], names: str | None) -> list[Variant]:
+    """The variants named in ``names`` (comma-separated names or name prefixes), 'default' first;
+    all of them when ``names`` is empty."""
+    if not names:
+        return list(variants)
+    wanted = [n.strip() for n in names.split(",") if n.strip()]
+    return [v for v in variants if v.name == "default" or any(v.name.startswith(w) for w in wanted)]
 
 
 @contextlib.contextmanager
@@ -190,7 +211,7 @@ class VariantSweep:
         q0, bt0 = inputs[0]
         ref = paged_attention_ref(q0[:n], cache, bt0[:n], sl[:n], qsl[: n + 1], scale, ks, vs)
         variants = []
-        for v in DECODE_VARIANTS:
+        for v in selected(DECODE_VARIANTS, a.variant_names):
             if kind in v.kinds:
                 r = self._resolve(v, b, c, elem)
                 if r is not None:
@@ -329,7 +350,8 @@ class VariantSweep:
             t_sdpa = min(t_sdpa, bench_ms(lambda: F.scaled_dot_product_attention(
                 qc, kg, vg, is_causal=True, scale=scale, enable_gqa=True)))
         base = pick_config(n, h // hkv, d, baseline=True)  # variants override the untuned baseline
-        variants = [(vr, None if vr.name == "default" else replace(base, **vr.cfg)) for vr in PREFILL_VARIANTS]
+        variants = [(vr, None if vr.name == "default" else replace(base, **vr.cfg))
+                    for vr in selected(PREFILL_VARIANTS, a.variant_names)]
 
         def call(cfg, compile_only=False):
             return paged_attention(q, cache, bt, sl, qsl, scale, self.one, self.one, max_query_len=n,

@@ -112,6 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "the grids (paged_backend/bench_attention_variants.py)")
     p.add_argument("--variant-cells", default="8x4096,64x4096,1x32768,8x32768,256x32768,1x4096",
                    help="--variants: decode cells batch x context, in priority order")
+    p.add_argument("--variant-names", default=None,
+                   help="--variants: comma-separated names (or name prefixes) of the variants to time; "
+                        "'default' always runs")
     p.add_argument("--budget-s", type=float, default=230.0,
                    help="--variants: seconds the variant jobs may take; later jobs/variants are skipped")
     p.add_argument("--no-check", action="store_true", help="skip the correctness checks")

@@ -181,6 +181,8 @@ VARIANTS = {  # AttentionConfig overrides of the code-path variants (module docs
     "v_early": dict(v_early=True),
     "fused": dict(fused_merge=True),
     "all": dict(q_fold=2, lazy_rescale=True, offsets32=True, v_early=True, fused_merge=True, maxnreg=128),
+    "pairs": dict(fp8_pairs=True),
+    "pairs_all": dict(fp8_pairs=True, q_fold=2, offsets32=True, fused_merge=True),
 }
 
 
@@ -270,7 +272,10 @@ def test_pick_config_regimes():
     assert busy == dataclasses.replace(base, fused_merge=True, offsets32=True)
     assert pa.pick_config(1, 4, 128, 2, 2, num_seqs=7, num_kv_heads=8) == base  # batch 1-7: baseline
     assert pa.pick_config(1, 3, 64, 2, 2, num_seqs=22, num_kv_heads=3).fused_merge  # 66 programs
-    assert pa.pick_config(1, 4, 128, 1, 2, num_seqs=256, num_kv_heads=8) == base  # fp8 cache: baseline
+    fp8 = pa.pick_config(1, 4, 128, 1, 2, num_seqs=256, num_kv_heads=8)  # fp8 cache: int16 pairs only
+    assert fp8 == dataclasses.replace(base, fp8_pairs=True)
+    assert not pa.pick_config(1, 4, 128, 1, 4, num_seqs=256, num_kv_heads=8).fp8_pairs  # fp32 q
+    assert not pa.pick_config(1, 4, 128, 1, 2, num_seqs=256, num_kv_heads=8, baseline=True).fp8_pairs
     assert not pa.pick_config(1, 4, 128, 4, 4, num_seqs=256, num_kv_heads=8).fused_merge  # fp32
     # prefill, bf16: fold2 + int32 offsets + 5 stages; 32-position tiles (128 registers) up to 4k
     short = pa.pick_config(2048, 4, 128)
@@ -412,12 +417,20 @@ def test_offsets32_only_when_they_fit():
 def test_bench_variants_are_valid_configs():
     """Every variant `bench kernels --variants` times names real AttentionConfig fields and passes
     the launcher's checks (a typo would only surface on the GPU run)."""
-    from paged_backend.bench_attention_variants import DECODE_VARIANTS, PREFILL_VARIANTS, parse_cells
+    from paged_backend.bench_attention_variants import (
+        DECODE_VARIANTS,
+        PREFILL_VARIANTS,
+        parse_cells,
+        selected,
+    )
 
     for variants in (DECODE_VARIANTS, PREFILL_VARIANTS):
         names = [v.name for v in variants]
         assert names[0] == "default" and len(set(names)) == len(names)
     assert parse_cells("8x4096, 1x32768") == [(8, 4096), (1, 32768)]
+    assert [v.name for v in selected(DECODE_VARIANTS, "pairs fo32 t6,fused+")] == [
+        "default", "fused+o32", "pairs fo32 t64"]
+    assert selected(PREFILL_VARIANTS, None) == PREFILL_VARIANTS
     q, kv, bt, sl, qsl = make_batch([(20, 1), (0, 5)], 8, 2, 64, 16, torch.bfloat16, seed=15)
     for variants, mql in ((DECODE_VARIANTS, 1), (PREFILL_VARIANTS, 64)):
         for v in variants:
