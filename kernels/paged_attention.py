@@ -582,6 +582,7 @@ class AttentionConfig:
 
 SMEM_BUDGET = 227 * 1024  # shared memory one program may use: the H200's per-block opt-in maximum, 232,448 B
 FUSED_MIN_PROGRAMS = 64  # decode: fused merge + int32 offsets from this many (request, KV head) programs
+PAIRS_CAP_MIN_PROGRAMS = 256  # fp8 decode: 128-register cap from this many (request, KV head) programs
 LONG_PREFILL = 4096  # prefill: KV extent past which 128-position KV tiles beat 32-position ones
 
 
@@ -631,7 +632,10 @@ def pick_config(
       1: 16-33 splits merged serially by 8 programs) merge + offsets were 7% slower (the merge
       alone 11-14%), so the baseline stays.
     - decode, fp8 cache, 16-bit q: ``fp8_pairs`` (fifth session: 1.17-1.43x the fp8 baseline
-      over 11 cells, W1's and issue 3's; fused merge + int32 offsets on top were -3% to +2%).
+      over 11 cells, W1's and issue 3's; fused merge + int32 offsets on top were -3% to +2%),
+      with a 128-register cap from ``PAIRS_CAP_MIN_PROGRAMS`` programs (head_dim 128 takes 154
+      registers, 3 programs per SM: 64 x 4k ran 1.36x faster capped, 4 per SM; with few
+      programs, split over the context, the cap cost 2-3%).
     - prefill, 16-bit q: 5 stages, softmax scale folded into q by the launcher, int32 offsets;
       KV tiles of 128 positions past ``LONG_PREFILL`` (8k: 1.22x the baseline), else 32
       positions with a 128-register cap (2 programs per SM; 2k: 1.18x). Other dtypes keep
@@ -651,6 +655,8 @@ def pick_config(
             extra = {"fused_merge": True, "offsets32": True}
         elif not baseline and kv_elem == 1 and q_elem == 2 and head_dim % 2 == 0:
             extra = {"fp8_pairs": True}
+            if num_seqs * num_kv_heads >= PAIRS_CAP_MIN_PROGRAMS:
+                extra["maxnreg"] = 128  # 4 programs per SM instead of 3 at head_dim 128
     elif d_pad <= 128:
         block_m, tile_n, warps, stages = max(128, next_pow2(group)), 128, 8, 3
         if not baseline:

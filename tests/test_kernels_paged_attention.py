@@ -272,8 +272,10 @@ def test_pick_config_regimes():
     assert busy == dataclasses.replace(base, fused_merge=True, offsets32=True)
     assert pa.pick_config(1, 4, 128, 2, 2, num_seqs=7, num_kv_heads=8) == base  # batch 1-7: baseline
     assert pa.pick_config(1, 3, 64, 2, 2, num_seqs=22, num_kv_heads=3).fused_merge  # 66 programs
-    fp8 = pa.pick_config(1, 4, 128, 1, 2, num_seqs=256, num_kv_heads=8)  # fp8 cache: int16 pairs only
+    fp8 = pa.pick_config(1, 4, 128, 1, 2, num_seqs=31, num_kv_heads=8)  # fp8 cache: int16 pairs
     assert fp8 == dataclasses.replace(base, fp8_pairs=True)
+    fp8 = pa.pick_config(1, 4, 128, 1, 2, num_seqs=32, num_kv_heads=8)  # many programs: 128 registers
+    assert fp8 == dataclasses.replace(base, fp8_pairs=True, maxnreg=128)
     assert not pa.pick_config(1, 4, 128, 1, 4, num_seqs=256, num_kv_heads=8).fp8_pairs  # fp32 q
     assert not pa.pick_config(1, 4, 128, 1, 2, num_seqs=256, num_kv_heads=8, baseline=True).fp8_pairs
     assert not pa.pick_config(1, 4, 128, 4, 4, num_seqs=256, num_kv_heads=8).fused_merge  # fp32
