@@ -7,8 +7,9 @@ interpreter is how CI tests them). The interpreter carries bf16 as raw bits and 
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -126,3 +127,22 @@ def compiled_variants() -> dict[str, int]:
             if n:
                 counts[f"{mod_name.rsplit('.', 1)[-1]}.{name}"] = n
     return counts
+
+
+@contextlib.contextmanager
+def async_compiles(ignore_errors: bool = False) -> Iterator[None]:
+    """Triton's AsyncCompileMode over a thread pool, where the installed Triton has it: kernel
+    ``warmup`` calls (``compile_only`` launchers) inside the block compile in parallel (ptxas
+    runs outside the GIL) and are done when it exits. ``ignore_errors``: a failing compile is
+    left for the real call to report. A no-op on Triton versions without it."""
+    try:
+        from triton.runtime._async_compile import AsyncCompileMode
+    except ImportError:
+        yield
+        return
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 2))) as pool, AsyncCompileMode(
+        pool, ignore_errors=ignore_errors
+    ):
+        yield

@@ -58,6 +58,7 @@ import triton
 import triton.language as tl
 from paged_backend.kernels._launch import (
     FLOAT_DTYPES,
+    async_compiles,
     check_device,
     check_tensor,
     dot_dtype,
@@ -738,16 +739,99 @@ def _fits_int32(cache: torch.Tensor, head_dim: int) -> bool:
     return (nb - 1) * cache.stride(0) + (bs - 1) * cache.stride(1) + next_pow2(head_dim) < 2**31
 
 
-def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device) -> int:
+def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device | None,
+                    sms: int | None = None) -> int:
     """Context splits so few long requests still fill the GPU; 1 on the CPU or when already full.
 
-    About two programs per SM, each split keeping >= 2 KV tiles (best in H200 sweeps).
+    About two programs per SM, each split keeping >= 2 KV tiles (best in H200 sweeps). ``sms``
+    (multiprocessors) overrides the device's count; ``device`` None with no ``sms``: the CPU.
     """
-    if device.type != "cuda":
-        return 1
-    target = 2 * _sm_count(device)
+    if sms is None:
+        if device is None or device.type != "cuda":
+            return 1
+        sms = _sm_count(device)
+    target = 2 * sms
     max_by_len = max(1, triton.cdiv(max_seq_len, tile_n) // 2)
     return int(max(1, min(target // max(num_programs, 1), max_by_len, 64)))
+
+
+def launch_plan(
+    num_tokens: int,
+    num_seqs: int,
+    max_query_len: int,
+    max_seq_len: int,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    kv_elem: int,
+    q_elem: int,
+    *,
+    smem_budget: int = SMEM_BUDGET,
+    sms: int | None = None,
+    config: AttentionConfig | None = None,
+    num_splits: int | None = None,
+) -> tuple[AttentionConfig, int, bool]:
+    """(config, context splits, decode-only grid) of one launch: what ``paged_attention`` runs,
+    and (with the cache and dtypes) which compiled kernel variant it needs. ``sms``: the GPU's
+    multiprocessor count (None: the CPU, no splits)."""
+    group = num_heads // num_kv_heads
+    cfg = config or pick_config(max_query_len, group, head_dim, kv_elem, q_elem, num_seqs=num_seqs,
+                                num_kv_heads=num_kv_heads, max_seq_len=max_seq_len, smem_budget=smem_budget)
+    if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
+        raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
+    if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0 or (cfg.fp8_pairs and cfg.lazy_rescale):
+        raise ValueError(f"bad attention config {cfg}")
+    block_q = cfg.block_m // group
+    decode_only = max_query_len <= 1
+    if num_splits is None:
+        grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
+        busy = min(grid_q, num_seqs * triton.cdiv(max(max_query_len, 1), block_q))  # programs not exiting
+        num_splits = pick_num_splits(busy * num_kv_heads, max_seq_len, cfg.tile_n, None, sms=sms)
+    if num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
+    return cfg, num_splits, decode_only
+
+
+def warmup_shapes(num_kv_heads: int, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int
+                  ) -> list[tuple[int, int, int, int]]:
+    """Small step shapes (num_seqs, tokens, max_query_len, max_seq_len) that together reach every
+    launch variant an engine with these limits can meet: decode-only and mixed grids, short and
+    long KV tiles, with and without context splits, few and many (request, KV head) programs.
+    Token counts stay small (at most 4096): compiling needs the variant, not the real size."""
+    fused, capped = (-(-m // num_kv_heads) for m in (FUSED_MIN_PROGRAMS, PAIRS_CAP_MIN_PROGRAMS))
+    seqs = sorted({min(n, max_num_seqs) for n in (1, 2, 8, fused, capped, 2 * capped)})
+    lens = sorted({min(n, max_model_len) for n in (1, 32, LONG_PREFILL, LONG_PREFILL + 1, max_model_len)})
+    most = min(max_num_batched_tokens, 4096)
+    out = []
+    for n in seqs:
+        for q in (1, 2, 64, 512, most if n == 1 else 0):  # one long prompt: many programs, no split
+            t = n * q
+            if 0 < t <= most and q <= max_model_len:
+                out.extend((n, t, q, ln) for ln in lens if ln >= q)
+    return sorted(set(out))
+
+
+def warm_up(kv_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int, *, max_num_seqs: int,
+            max_num_batched_tokens: int, max_model_len: int, max_blocks: int, sliding_window: int | None = None,
+            k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> int:
+    """Compile (not run) every kernel variant ``warmup_shapes`` reaches for this cache, so that no
+    step of a running engine stops to compile (seconds on a new step shape: a server's first
+    request of that shape). Block tables are ``max_blocks`` wide, as the engine's step buffers.
+    Compiles run in parallel where Triton supports it. Returns how many launches were planned
+    (Triton skips those already compiled); 0 in the interpreter."""
+    if interpreting() or kv_cache.device.type != "cuda":
+        return 0
+    dev = kv_cache.device
+    hkv, d = kv_cache.shape[3], kv_cache.shape[4]
+    shapes = warmup_shapes(hkv, max_num_seqs, max_num_batched_tokens, max_model_len)
+    with async_compiles():
+        for n, t, q, ln in shapes:
+            query = torch.empty((t, num_heads, d), dtype=query_dtype, device=dev)
+            qsl = torch.arange(0, t + 1, q, dtype=torch.int32, device=dev)
+            paged_attention(query, kv_cache, torch.zeros((n, max_blocks), dtype=torch.int32, device=dev),
+                            torch.full((n,), ln, dtype=torch.int32, device=dev), qsl, d**-0.5, k_scale, v_scale,
+                            sliding_window, max_query_len=q, max_seq_len=ln, compile_only=True)
+    return len(shapes)
 
 
 def paged_attention(
@@ -809,21 +893,12 @@ def paged_attention(
         max_seq_len = int(seq_lens.max().item())
 
     group = h // hkv
-    cfg = config or pick_config(max_query_len, group, d, kv_cache.element_size(), query.element_size(),
-                                num_seqs=num_seqs, num_kv_heads=hkv, max_seq_len=max_seq_len,
-                                smem_budget=_smem_budget(device))
-    if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
-        raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
-    if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0 or (cfg.fp8_pairs and cfg.lazy_rescale):
-        raise ValueError(f"bad attention config {cfg}")
+    cfg, num_splits, decode_only = launch_plan(
+        t, num_seqs, max_query_len, max_seq_len, h, hkv, d, kv_cache.element_size(), query.element_size(),
+        smem_budget=_smem_budget(device), sms=_sm_count(device) if device.type == "cuda" else None,
+        config=config, num_splits=num_splits)
     block_q = cfg.block_m // group
-    decode_only = max_query_len <= 1
     grid_q = num_seqs if decode_only else t // block_q + num_seqs
-    if num_splits is None:
-        busy = min(grid_q, num_seqs * triton.cdiv(max(max_query_len, 1), block_q))  # programs not exiting
-        num_splits = pick_num_splits(busy * hkv, max_seq_len, cfg.tile_n, device)
-    if num_splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
 
     kc, vc = kv_cache[0], kv_cache[1]
     if kc.stride(-1) != 1 or query.stride(-1) != 1 or out.stride(-1) != 1:
@@ -837,11 +912,13 @@ def paged_attention(
     if not fused:
         sem = block_tables  # unused
     if split:
-        part = torch.empty((num_splits, t, h, d), dtype=torch.float32, device=device)
-        m_buf = torch.empty((num_splits, t, h), dtype=torch.float32, device=device)
+        # compile_only: one-element stand-ins (the compile needs dtypes and the strides below only)
+        n_part = 1 if compile_only else num_splits
+        part = torch.empty((n_part, t if n_part > 1 else 1, h, d), dtype=torch.float32, device=device)
+        m_buf = torch.empty((n_part, t if n_part > 1 else 1, h), dtype=torch.float32, device=device)
         l_buf = torch.empty_like(m_buf)
-        dst, o_st, o_sh, o_ss = part, part.stride(1), part.stride(2), part.stride(0)
-        m_st, m_ss = m_buf.stride(1), m_buf.stride(0)
+        dst, o_st, o_sh, o_ss = part, h * d, d, t * h * d  # contiguous [num_splits, T, H, D]
+        m_st, m_ss = h, t * h  # contiguous [num_splits, T, H]
     else:
         m_buf = l_buf = out  # unused
         dst, o_st, o_sh, o_ss = out, out.stride(0), out.stride(1), 0
@@ -877,7 +954,7 @@ def paged_attention(
         block_h = next_pow2(h) if interpreting() else 1  # the interpreter pays per program
         launch(_reduce_splits_kernel, (t, triton.cdiv(h, block_h)))(
             part, m_buf, l_buf, out, query_start_loc, num_seqs, num_splits, h,
-            part.stride(0), part.stride(1), m_buf.stride(0), out.stride(0), out.stride(1),
+            o_ss, o_st, m_ss, out.stride(0), out.stride(1),
             HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_H=block_h, num_warps=4,
         )  # fmt: skip
     return out

@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from paged_backend.bench_kernels import capture_graph
+from paged_backend.kernels._launch import async_compiles
 
 GIB = 1 << 30
 REF_SEQS = 8  # decode checks run the reference on this many requests of the timed batch
@@ -119,21 +120,6 @@ def selected(variants: list[Variant], names: str | None) -> list[Variant]:
         return list(variants)
     wanted = [n.strip() for n in names.split(",") if n.strip()]
     return [v for v in variants if v.name == "default" or any(v.name.startswith(w) for w in wanted)]
-
-
-@contextlib.contextmanager
-def _async_compile():
-    """Triton's AsyncCompileMode over a thread pool (compiles overlap: ptxas runs outside the GIL);
-    a no-op on Triton versions without it. Failed compiles are left for the real call to report."""
-    try:
-        from triton.runtime._async_compile import AsyncCompileMode
-    except ImportError:
-        yield
-        return
-    from concurrent.futures import ThreadPoolExecutor
-
-    with ThreadPoolExecutor(max(2, min(16, os.cpu_count() or 2))) as pool, AsyncCompileMode(pool, ignore_errors=True):
-        yield
 
 
 class VariantSweep:
@@ -224,7 +210,7 @@ class VariantSweep:
             return paged_attention(x[0], cache, x[1], sl, qsl, scale, ks, vs, max_query_len=1, max_seq_len=c,
                                    num_splits=ns, config=cfg, compile_only=compile_only)
 
-        with _async_compile():
+        with async_compiles(ignore_errors=True):
             for _, cfg, ns in variants:
                 with contextlib.suppress(Exception):
                     call(inputs[0], cfg, ns, compile_only=True)
@@ -360,7 +346,7 @@ class VariantSweep:
             return paged_attention(q, cache, bt, sl, qsl, scale, self.one, self.one, max_query_len=n,
                                    max_seq_len=n, config=cfg, compile_only=compile_only)
 
-        with _async_compile():
+        with async_compiles(ignore_errors=True):
             for _, cfg in variants:
                 with contextlib.suppress(Exception):
                     call(cfg, compile_only=True)

@@ -15,6 +15,7 @@ captured CUDA graph (cuda_graphs.py) instead of launching the model's kernels on
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -158,8 +159,23 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.info.num_layers)]
+        self.warm_up_attention()
         if self._graphs_wanted():
             self.capture_cuda_graphs()
+
+    def warm_up_attention(self) -> None:
+        """Compile the attention kernel variants any step can need now, not on the step that first
+        needs one (a stall of seconds: a server's first request of a new shape)."""
+        warm = getattr(self.attn_backend, "warm_up", None)
+        if warm is None or self.device.type != "cuda" or not self.kv_caches:
+            return
+        t0 = time.perf_counter()
+        heads = self.num_kv_heads * (self.info.num_heads // self.info.num_kv_heads)
+        lim = self.limits
+        n = warm(self.kv_caches[0], self.dtype, heads, max_num_seqs=lim.max_num_seqs,
+                 max_num_batched_tokens=lim.max_num_batched_tokens, max_model_len=lim.max_model_len,
+                 max_blocks=self.inputs.max_blocks, sliding_window=getattr(self.model, "sliding_window", None))
+        logger.info("attention kernels warmed up for %d step shapes in %.1f s", n, time.perf_counter() - t0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:

@@ -594,3 +594,38 @@ def test_compiled_variants_counts_each_kernels_cache(monkeypatch):
     counts = _launch.compiled_variants()
     assert counts["_variants_probe.two"] == 2
     assert "_variants_probe.none" not in counts and "_variants_probe.other" not in counts
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,kv_elem,max_seqs,max_tokens,max_len",
+    [
+        (32, 8, 64, 2, 1024, 16384, 2048),  # W1 (Llama-3.2-1B shapes), the H200 defaults
+        (32, 8, 128, 1, 1024, 16384, 32768),  # 8B shapes, fp8 cache, long contexts
+        (9, 3, 64, 2, 256, 2048, 8192),  # SmolLM2, GQA 3
+        (32, 32, 128, 2, 8, 512, 1024),  # MHA, small limits
+    ],
+)
+def test_warmup_shapes_reach_every_step_variant(heads, kv_heads, head_dim, kv_elem, max_seqs, max_tokens, max_len):
+    """Every launch variant (config, context split or not, decode-only grid) of a wide range of
+    real step shapes is among the variants the start-up warm-up compiles, on a 132-SM GPU."""
+
+    def variant(n, t, q, ln):
+        cfg, splits, decode_only = pa.launch_plan(t, n, q, ln, heads, kv_heads, head_dim, kv_elem, 2, sms=132)
+        return cfg, splits > 1, decode_only
+
+    warm = pa.warmup_shapes(kv_heads, max_seqs, max_tokens, max_len)
+    assert all(t <= 4096 for _, t, _, _ in warm)  # compiling needs the variant, not the size
+    warmed = {variant(*s) for s in warm}
+    steps = []
+    for n in (1, 2, 3, 7, 8, 9, 17, 31, 32, 33, 64, 86, 100, 255, 512, 1000, 1024):
+        for ln in (1, 16, 100, 511, 2048, 4096, 4097, 8192, 32768):
+            if n <= max_seqs and n <= max_tokens and ln <= max_len:
+                steps.append((n, n, 1, ln))  # decode (eager: real max; graphs: max_model_len)
+        for q in (2, 3, 4, 17, 64, 256, 500, 2048, 8192, 16384):
+            for extra in (0, 1, 500, 4000, 30000):
+                ln = q + extra
+                if n * q <= max_tokens and n <= max_seqs and ln <= max_len:
+                    steps.append((n, n * q, q, ln))  # prefill, chunks, prefix hits, mixed batches
+    missing = {variant(*s) for s in steps} - warmed
+    assert not missing, f"{len(missing)} variants not warmed, e.g. {sorted(map(str, missing))[:2]}"
+    assert len(warmed) >= 4

@@ -10,7 +10,7 @@ import torch
 
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.kernels.cache_write import write_kv_cache
-from paged_backend.kernels.paged_attention import paged_attention
+from paged_backend.kernels.paged_attention import paged_attention, warm_up
 
 
 class TritonAttentionBackend:
@@ -43,3 +43,12 @@ class TritonAttentionBackend:
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
         )
+
+    def warm_up(self, kv_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int, *, max_num_seqs: int,
+                max_num_batched_tokens: int, max_model_len: int, max_blocks: int,
+                sliding_window: int | None = None) -> int:
+        """Compile every attention kernel variant steps under these limits can launch (``warm_up``
+        in kernels/paged_attention.py), so none compiles mid-run. Returns the launches planned."""
+        return warm_up(kv_cache, query_dtype, num_heads, max_num_seqs=max_num_seqs,
+                       max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
+                       max_blocks=max_blocks, sliding_window=sliding_window)
