@@ -58,6 +58,8 @@ def _pad_codes(taken: set[str], n: int) -> list[str]:
     import string
 
     out: list[str] = []
+    if n <= 0:
+        return out
     for length in itertools.count(3):
         for letters in itertools.product(string.ascii_lowercase, repeat=length):
             piece = _PAD_PREFIX + "".join(letters)

@@ -22,9 +22,10 @@ import asyncio
 import json
 import logging
 import math
+import re
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
@@ -36,6 +37,7 @@ METRICS = ("ttft", "tpot", "itl", "e2el")
 SLO_METRICS = ("ttft", "tpot", "e2el")  # the per-request metrics goodput can be judged on
 _TITLES = {"ttft": "Time to First Token", "tpot": "Time per Output Token (excl. 1st token)",
            "itl": "Inter-token Latency", "e2el": "End-to-end Latency"}
+_LINE_END = re.compile(rb"\r\n|\r|\n")
 _TIMEOUT_S = 3600.0  # longest silence on one stream before the request counts as failed
 
 
@@ -63,6 +65,7 @@ class RequestResult:
     output_tokens: int = 0
     text_chunks: int = 0
     generated_text: str = ""
+    retried: bool = False  # the first attempt's connection failed before any response (see send_request)
 
 
 # -- data set ----------------------------------------------------------------------------
@@ -205,6 +208,7 @@ def compute_metrics(results: Sequence[RequestResult], duration: float, *, percen
         "completed": len(ok),
         "failed": len(failed),
         "first_error": failed[0].error if failed else None,
+        "retried": sum(r.retried for r in results),
         "duration": duration,
         "total_input_tokens": total_in,
         "total_output_tokens": total_out,
@@ -236,6 +240,8 @@ def format_report(m: dict[str, Any], *, percentiles: Sequence[float], metrics: S
 
     row("Successful requests:", m["completed"])
     row("Failed requests:", m["failed"])
+    if m.get("retried"):
+        row("Retried (connection lost, no response):", m["retried"])
     if max_concurrency is not None:
         row("Maximum request concurrency:", max_concurrency)
     row("Benchmark duration (s):", f"{m['duration']:.2f}")
@@ -334,24 +340,67 @@ class StreamTracker:
         return r
 
 
+async def sse_lines(chunks: AsyncIterator[bytes]) -> AsyncIterator[str]:
+    """The lines of a server-sent event stream, ended by CRLF, LF or CR only (the SSE spec).
+
+    Not httpx's ``aiter_lines``: that splits like ``str.splitlines``, also at U+0085, U+2028
+    and U+2029, which JSON leaves unescaped, so a generated text holding one of them would
+    cut its event in two (a "malformed stream event" failure).
+    """
+    buf = b""
+    async for chunk in chunks:
+        buf += chunk
+        # a CR at the very end may be the first half of a CRLF: keep it for the next chunk
+        end = len(buf) - 1 if buf.endswith(b"\r") else len(buf)
+        start = 0
+        while True:
+            nl = _LINE_END.search(buf, start, end)
+            if nl is None:
+                break
+            yield buf[start:nl.start()].decode("utf-8", errors="replace")
+            start = nl.end()
+        buf = buf[start:]
+    if buf:
+        yield buf.rstrip(b"\r").decode("utf-8", errors="replace")
+
+
 async def send_request(client: Any, api_url: str, payload: dict[str, Any], *, prompt_len: int,
                        chat: bool, headers: dict[str, str] | None = None) -> RequestResult:
-    """POST one streaming request and time it; any failure is a result with ``error`` set."""
+    """POST one streaming request and time it; any failure is a result with ``error`` set.
+
+    A connection that fails before any response arrives (a pooled keep-alive connection reset
+    under load: the server never saw the request) is retried once on a new connection, as the
+    OpenAI client does with connection errors; the request's times count from the first
+    attempt and the result says ``retried`` (the report counts them). A failure after the
+    response began is never retried.
+    """
     import httpx
 
     start = time.perf_counter()
     tracker = StreamTracker(start, chat)
+    retried = False
     try:
-        async with client.stream("POST", api_url, json=payload, headers=headers) as resp:
-            if resp.status_code != 200:
-                body = (await resp.aread()).decode(errors="replace")
-                raise StreamError(f"HTTP {resp.status_code} from {api_url}: {_error_text(body)}")
-            async for line in resp.aiter_lines():
-                now = time.perf_counter()
-                line = line.strip()
-                if line.startswith("data:"):
-                    tracker.feed(line[5:].strip(), now)
-        return tracker.result(prompt_len, time.perf_counter())
+        while True:
+            answered = False
+            try:
+                async with client.stream("POST", api_url, json=payload, headers=headers) as resp:
+                    answered = True
+                    if resp.status_code != 200:
+                        body = (await resp.aread()).decode(errors="replace")
+                        raise StreamError(f"HTTP {resp.status_code} from {api_url}: {_error_text(body)}")
+                    async for line in sse_lines(resp.aiter_bytes()):
+                        now = time.perf_counter()
+                        line = line.strip()
+                        if line.startswith("data:"):
+                            tracker.feed(line[5:].strip(), now)
+                break
+            except httpx.TransportError:
+                if answered or retried:
+                    raise
+                retried = True
+        r = tracker.result(prompt_len, time.perf_counter())
+        r.retried = retried
+        return r
     except StreamError as exc:
         msg = str(exc)
     except httpx.TimeoutException as exc:
@@ -361,7 +410,8 @@ async def send_request(client: Any, api_url: str, payload: dict[str, Any], *, pr
     except json.JSONDecodeError as exc:
         msg = f"malformed stream event from {api_url}: {exc}"
     end = time.perf_counter()
-    return RequestResult(prompt_len=prompt_len, error=msg, start=start, end=end, latency=end - start)
+    return RequestResult(prompt_len=prompt_len, error=msg, start=start, end=end, latency=end - start,
+                         retried=retried)
 
 
 def build_payload(req: SampleRequest, *, model: str, chat: bool, temperature: float,

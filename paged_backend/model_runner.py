@@ -172,9 +172,13 @@ class ModelRunner:
         t0 = time.perf_counter()
         heads = self.num_kv_heads * (self.info.num_heads // self.info.num_kv_heads)
         lim = self.limits
-        n = warm(self.kv_caches[0], self.dtype, heads, max_num_seqs=lim.max_num_seqs,
-                 max_num_batched_tokens=lim.max_num_batched_tokens, max_model_len=lim.max_model_len,
-                 max_blocks=self.inputs.max_blocks, sliding_window=getattr(self.model, "sliding_window", None))
+        try:
+            n = warm(self.kv_caches[0], self.dtype, heads, max_num_seqs=lim.max_num_seqs,
+                     max_num_batched_tokens=lim.max_num_batched_tokens, max_model_len=lim.max_model_len,
+                     max_blocks=self.inputs.max_blocks, sliding_window=getattr(self.model, "sliding_window", None))
+        except Exception as exc:  # an optimisation: a failure here must not stop the engine (steps compile then)
+            logger.warning("attention kernel warm-up failed (kernels will compile on first use): %s", exc)
+            return
         logger.info("attention kernels warmed up for %d step shapes in %.1f s", n, time.perf_counter() - t0)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:

@@ -23,6 +23,8 @@ from paged_backend.bench_serve import (
     parse_goodput,
     peak_concurrency,
     sample_random_requests,
+    send_request,
+    sse_lines,
 )
 from paged_backend.cli import main
 
@@ -154,6 +156,29 @@ def test_stream_tracker_times_text_chunks_and_prefers_usage():
     assert not empty.success and "without any text" in empty.error
 
 
+def test_sse_lines_split_only_at_cr_and_lf():
+    """U+2028 / U+0085 in a generated text stay inside their event (JSON leaves them unescaped)."""
+    import asyncio
+
+    event = json.dumps({"choices": [{"text": "a\u2028b\x85c\u2029"}]}, ensure_ascii=False).encode()
+    stream = b"data: " + event + b"\n\ndata: x\r\ndata: y\rdata: z\n\ndata: [DONE]"
+    at = stream.index("\u2028".encode()) + 1
+    # chunks cut inside U+2028's bytes, and between the CR and the LF of "data: x\r\n"
+    cuts = [0, 5, at, len(event) + 8, len(event) + 16, len(event) + 17, len(stream)]
+    assert stream[len(event) + 15:len(event) + 17] == b"\r\n"
+
+    async def chunks():
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            yield stream[a:b]
+
+    async def lines() -> list[str]:
+        return [line async for line in sse_lines(chunks())]
+
+    got = asyncio.run(lines())
+    assert got == ["data: " + event.decode(), "", "data: x", "data: y", "data: z", "", "data: [DONE]"]
+    assert json.loads(got[0][6:])["choices"][0]["text"] == "a\u2028b\x85c\u2029"
+
+
 def test_random_prompts_have_the_requested_lengths():
     from smollm2 import model_dir, tokenizer
 
@@ -273,3 +298,64 @@ def test_dead_server_without_model_is_a_clear_error(capsys):
     assert main(["bench", "serve", "--base-url", f"http://127.0.0.1:{port}"]) == 1
     err = capsys.readouterr().err
     assert f"cannot list the models at http://127.0.0.1:{port}/v1/models" in err and "--model" in err
+
+
+async def _reset_then_answer(reset_first: int, reset_after_headers: bool = False):
+    """A raw HTTP/1.1 server on a free port: its first ``reset_first`` connections read the
+    request and close without answering (or, with ``reset_after_headers``, after the response
+    headers); later ones stream two text chunks. Returns (server, connection counter)."""
+    import asyncio
+
+    seen = [0]
+
+    async def handle(reader, writer):
+        seen[0] += 1
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = int(next(v for k, v in (ln.split(b":", 1) for ln in head.split(b"\r\n")[1:] if b":" in ln)
+                          if k.strip().lower() == b"content-length"))
+        await reader.readexactly(length)
+        if seen[0] <= reset_first and not reset_after_headers:
+            writer.close()
+            return
+        writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+        if seen[0] <= reset_first:
+            await writer.drain()
+            writer.close()
+            return
+        for event in (b'data: {"choices": [{"text": "a"}]}\n\n', b'data: {"choices": [{"text": "b"}]}\n\n',
+                      b"data: [DONE]\n\n"):
+            writer.write(b"%x\r\n%s\r\n" % (len(event), event))
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+        writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    return server, seen
+
+
+@pytest.mark.parametrize("resets,after_headers,ok", [(0, False, True), (1, False, True), (2, False, False),
+                                                     (1, True, False)])
+def test_connection_lost_before_a_response_is_retried_once(resets, after_headers, ok):
+    """A connection closed before any response byte (the server never answered) is retried once,
+    counted in the result; a second loss, or a loss after the response began, is a failure."""
+    import asyncio
+
+    import httpx
+
+    async def run():
+        server, seen = await _reset_then_answer(resets, after_headers)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        async with server, httpx.AsyncClient() as client:
+            r = await send_request(client, url, {"prompt": "x", "stream": True}, prompt_len=1, chat=False)
+        return r, seen[0]
+
+    r, connections = asyncio.run(run())
+    assert r.success is ok and r.retried is (resets > 0 and not after_headers)
+    assert connections == (1 if resets == 0 or after_headers else 2)
+    if ok:
+        assert r.generated_text == "ab" and r.text_chunks == 2
+        m = compute_metrics([r], duration=1.0)
+        assert m["retried"] == int(resets > 0) and m["failed"] == 0
+    else:
+        assert r.error and "cannot reach" in r.error
+

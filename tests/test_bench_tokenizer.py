@@ -98,6 +98,15 @@ def test_shape_dir_with_tokenizer(smol_dir):
         shutil.rmtree(bare)
 
 
+def test_pad_to_the_tokenizer_own_size_adds_nothing(smol_dir, tmp_path):
+    """A tokenizer that already fills the vocabulary is copied as it is (this once looped forever)."""
+    from transformers import AutoTokenizer
+
+    n = len(AutoTokenizer.from_pretrained(smol_dir))
+    assert pad_tokenizer(smol_dir, tmp_path / "same", n) == 0
+    assert len(AutoTokenizer.from_pretrained(tmp_path / "same")) == n
+
+
 def test_pad_refuses_what_it_cannot_pad(smol_dir, tmp_path):
     with pytest.raises(ValueError, match="not below vocab_size"):
         pad_tokenizer(smol_dir, tmp_path / "small", 1000)
