@@ -157,6 +157,18 @@ def test_fp8_cache(heads, kv_heads, head_dim, block_size, dtype, num_splits):
     assert not torch.allclose(plain.float(), ref.float(), atol=1e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("head_dim", [80, 96])
+def test_fp8_pairs_decode_padded_head_dim(head_dim):
+    """The fp8 decode default (int16 pairs) with a head dim padded to a power of two: the half
+    columns past head_dim / 2 are masked (decode-only batch, so the launcher picks the pairs)."""
+    reqs = scaled([(50, 1), (17, 1), (96, 1), (3, 1)])
+    q, kv, bt, sl, qsl = make_batch(reqs, 8, 2, head_dim, 16, torch.bfloat16, fp8=True, seed=21)
+    assert pa.pick_config(1, 4, head_dim, 1, 2, num_seqs=len(reqs), num_kv_heads=2).fp8_pairs
+    ks, vs = torch.tensor(0.61, device=DEVICE), torch.tensor(1.3, device=DEVICE)
+    out, ref = run_both(q, kv, bt, sl, qsl, head_dim**-0.5, ks, vs, num_splits=2)
+    check(out, ref, torch.bfloat16)
+
+
 @pytest.mark.parametrize(
     "config,block_size",
     [
