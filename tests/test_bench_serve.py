@@ -288,9 +288,9 @@ def test_dead_server_fails_every_request_quickly(tmp_path, capsys):
                    "--random-output-len", "4", "--max-concurrency", "2")
     assert time.monotonic() - t < 30
     assert rc == 1 and m["completed"] == 0 and m["failed"] == 5 and m["errors"].count("") == 0
-    assert "ConnectError" in m["first_error"] and f"127.0.0.1:{port}/v1/completions" in m["first_error"]
+    assert "ConnectorError" in m["first_error"] and f"127.0.0.1:{port}/v1/completions" in m["first_error"]
     out = capsys.readouterr().out
-    assert "Failed requests:" in out and "ConnectError" in out
+    assert "Failed requests:" in out and "ConnectorError" in out
 
 
 def test_dead_server_without_model_is_a_clear_error(capsys):
@@ -340,12 +340,12 @@ def test_connection_lost_before_a_response_is_retried_once(resets, after_headers
     counted in the result; a second loss, or a loss after the response began, is a failure."""
     import asyncio
 
-    import httpx
+    import aiohttp
 
     async def run():
         server, seen = await _reset_then_answer(resets, after_headers)
         url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
-        async with server, httpx.AsyncClient() as client:
+        async with server, aiohttp.ClientSession() as client:
             r = await send_request(client, url, {"prompt": "x", "stream": True}, prompt_len=1, chat=False)
         return r, seen[0]
 
