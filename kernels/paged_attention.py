@@ -115,6 +115,17 @@ def _mask_scores(s, kpos, kmask, qpos, window, SLIDING: tl.constexpr):
 
 
 @triton.jit
+def _softmax_step(s, m_i, m_new, l_i):
+    """One online-softmax step (log2 domain): the tile's probabilities against the running max
+    ``m_new``, the factor that rescales what was accumulated against ``m_i``, and the new sum.
+    Rows that saw nothing yet (max -inf) use 0 as their reference."""
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.math.exp2(s - m_use[:, None])
+    alpha = tl.math.exp2(m_i - m_use)
+    return p, alpha, l_i * alpha + tl.sum(p, axis=1)
+
+
+@triton.jit
 def _attend_tiles(
     acc,  # [BLOCK_M, D_PAD] float32
     m_i,  # [BLOCK_M] float32, running (reference) max, log2 domain
@@ -168,10 +179,7 @@ def _attend_tiles(
             m_new = tl.where(grow, m_tile, m_i)
         else:
             m_new = tl.maximum(m_i, m_tile)
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows that saw nothing yet
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, l_i = _softmax_step(s, m_i, m_new, l_i)
         v_ptrs = v_base + v_off[:, None] + offs_d[None, :]  # [TILE_N, D_PAD]
         v = _load_tile(v_ptrs, kmask[:, None], dmask[None, :], MASK, PADDED)
         if V_EARLY:
@@ -190,18 +198,14 @@ def _attend_tiles(
     return acc, m_i, l_i
 
 
-E4M3_BIAS_SHIFT = tl.constexpr(256.0)  # an e4m3 byte moved into fp16's bit positions reads 2^-8 of its value
-
-
 @triton.jit
 def _e4m3_pairs(w, ASM: tl.constexpr):
     """Two e4m3 values packed in each int16 word -> (low byte, high byte) as fp16.
 
     ASM: the hardware's paired conversion (``cvt.rn.f16x2.e4m3x2``, after a byte permute that
-    gathers the low / high bytes of two words), exact values. Otherwise (the interpreter) bit
-    moves that place each byte in fp16's bit positions, which reads value * 2^-8 (exact too:
-    every e4m3 value, subnormals included, is an fp16 value after the shift); the caller scales
-    by ``E4M3_BIAS_SHIFT`` when not ASM. Either way the MMA operands are 16-bit tiles the
+    gathers the low / high bytes of two words). Otherwise (the interpreter) bit moves that
+    place each byte in fp16's bit positions, which reads value * 2^-8, then * 256 (exact: every
+    e4m3 value, subnormals included, is an fp16 value). Either way the MMA operands are 16-bit tiles the
     compiler stages like bf16 ones (an 8-bit V tile is read from shared memory byte by byte
     when the MMA wants it transposed)."""
     if ASM:
@@ -227,7 +231,7 @@ def _e4m3_pairs(w, ASM: tl.constexpr):
         u = w.to(tl.uint16, bitcast=True)
         lo = ((u << 7) & 0x3F80) | ((u << 8) & 0x8000)
         hi = ((u >> 1) & 0x3F80) | (u & 0x8000)
-        return lo.to(tl.float16, bitcast=True), hi.to(tl.float16, bitcast=True)
+        return lo.to(tl.float16, bitcast=True) * 256.0, hi.to(tl.float16, bitcast=True) * 256.0
 
 
 @triton.jit
@@ -279,10 +283,7 @@ def _attend_tiles_pairs(
         if MASK:
             s = _mask_scores(s, kpos, kmask, qpos, window, SLIDING)
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.math.exp2(s - m_use[:, None])
-        alpha = tl.math.exp2(m_i - m_use)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
+        p, alpha, l_i = _softmax_step(s, m_i, m_new, l_i)
         vw = _load_tile(v_base + v_off[:, None] + offs_j[None, :], kmask[:, None], jmask[None, :], MASK, PADDED)
         v_e, v_o = _e4m3_pairs(vw, ASM)
         p16 = p.to(DOT_DTYPE)
@@ -450,21 +451,17 @@ def _paged_attention_kernel(
         q_e, q_o = tl.split(tl.reshape(q, [BLOCK_M, H_PAD, 2]))
         acc_e = tl.zeros([BLOCK_M, H_PAD], dtype=tl.float32)
         acc_o = tl.zeros([BLOCK_M, H_PAD], dtype=tl.float32)
-        SHIFT: tl.constexpr = 1.0 if PAIRS_ASM else E4M3_BIAS_SHIFT
-        pscale = scale * SHIFT
         acc_e, acc_o, m_i, l_i = _attend_tiles_pairs(
-            acc_e, acc_o, m_i, l_i, q_e, q_o, k_base, v_base, bt_row, qpos, seq_len, window, pscale, t0, full_hi,
+            acc_e, acc_o, m_i, l_i, q_e, q_o, k_base, v_base, bt_row, qpos, seq_len, window, scale, t0, full_hi,
             stride_kb, stride_ks, stride_vb, stride_vs,
             False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM // 2, H_PAD, DOT_DTYPE, OFF32, PAIRS_ASM,
         )  # fmt: skip
         acc_e, acc_o, m_i, l_i = _attend_tiles_pairs(
-            acc_e, acc_o, m_i, l_i, q_e, q_o, k_base, v_base, bt_row, qpos, seq_len, window, pscale, full_hi, t1,
+            acc_e, acc_o, m_i, l_i, q_e, q_o, k_base, v_base, bt_row, qpos, seq_len, window, scale, full_hi, t1,
             stride_kb, stride_ks, stride_vb, stride_vs,
             True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM // 2, H_PAD, DOT_DTYPE, OFF32, PAIRS_ASM,
         )  # fmt: skip
         acc = tl.reshape(tl.join(acc_e, acc_o), [BLOCK_M, D_PAD])
-        if not PAIRS_ASM:
-            acc = acc * SHIFT
     else:
         acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
         acc, m_i, l_i = _attend_tiles(
@@ -732,24 +729,26 @@ def _smem_budget(device: torch.device) -> int:
     return _SMEM_OPTIN[idx]
 
 
-def _fits_int32(cache: torch.Tensor, head_dim: int) -> bool:
+def _fits_int32(cache: torch.Tensor) -> bool:
     """Every in-kernel offset into one head of ``cache`` [NB, BS, Hkv, D] (block, slot and
-    dim; the head is added in 64-bit) is below 2^31."""
+    padded dim; the head is added in 64-bit) is below 2^31."""
     nb, bs = cache.shape[0], cache.shape[1]
-    return (nb - 1) * cache.stride(0) + (bs - 1) * cache.stride(1) + next_pow2(head_dim) < 2**31
+    return (nb - 1) * cache.stride(0) + (bs - 1) * cache.stride(1) + next_pow2(cache.shape[-1]) < 2**31
 
 
-def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, device: torch.device | None,
-                    sms: int | None = None) -> int:
-    """Context splits so few long requests still fill the GPU; 1 on the CPU or when already full.
+def device_sms(device: torch.device) -> int | None:
+    """The multiprocessor count of a CUDA device; None on the CPU (no context splits there)."""
+    return _sm_count(device) if device.type == "cuda" else None
 
-    About two programs per SM, each split keeping >= 2 KV tiles (best in H200 sweeps). ``sms``
-    (multiprocessors) overrides the device's count; ``device`` None with no ``sms``: the CPU.
+
+def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, sms: int | None) -> int:
+    """Context splits so few long requests still fill the GPU; 1 on the CPU (``sms`` None, see
+    ``device_sms``) or when already full.
+
+    About two programs per SM, each split keeping >= 2 KV tiles (best in H200 sweeps).
     """
     if sms is None:
-        if device is None or device.type != "cuda":
-            return 1
-        sms = _sm_count(device)
+        return 1
     target = 2 * sms
     max_by_len = max(1, triton.cdiv(max_seq_len, tile_n) // 2)
     return int(max(1, min(target // max(num_programs, 1), max_by_len, 64)))
@@ -786,7 +785,7 @@ def launch_plan(
     if num_splits is None:
         grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
         busy = min(grid_q, num_seqs * triton.cdiv(max(max_query_len, 1), block_q))  # programs not exiting
-        num_splits = pick_num_splits(busy * num_kv_heads, max_seq_len, cfg.tile_n, None, sms=sms)
+        num_splits = pick_num_splits(busy * num_kv_heads, max_seq_len, cfg.tile_n, sms)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return cfg, num_splits, decode_only
@@ -895,7 +894,7 @@ def paged_attention(
     group = h // hkv
     cfg, num_splits, decode_only = launch_plan(
         t, num_seqs, max_query_len, max_seq_len, h, hkv, d, kv_cache.element_size(), query.element_size(),
-        smem_budget=_smem_budget(device), sms=_sm_count(device) if device.type == "cuda" else None,
+        smem_budget=_smem_budget(device), sms=device_sms(device),
         config=config, num_splits=num_splits)
     block_q = cfg.block_m // group
     grid_q = num_seqs if decode_only else t // block_q + num_seqs
@@ -912,10 +911,10 @@ def paged_attention(
     if not fused:
         sem = block_tables  # unused
     if split:
-        # compile_only: one-element stand-ins (the compile needs dtypes and the strides below only)
-        n_part = 1 if compile_only else num_splits
-        part = torch.empty((n_part, t if n_part > 1 else 1, h, d), dtype=torch.float32, device=device)
-        m_buf = torch.empty((n_part, t if n_part > 1 else 1, h), dtype=torch.float32, device=device)
+        # compile_only: small stand-ins (the compile needs the dtypes and the strides below only)
+        ns, nt = (1, 1) if compile_only else (num_splits, t)
+        part = torch.empty((ns, nt, h, d), dtype=torch.float32, device=device)
+        m_buf = torch.empty((ns, nt, h), dtype=torch.float32, device=device)
         l_buf = torch.empty_like(m_buf)
         dst, o_st, o_sh, o_ss = part, h * d, d, t * h * d  # contiguous [num_splits, T, H, D]
         m_st, m_ss = h, t * h  # contiguous [num_splits, T, H]
@@ -926,7 +925,7 @@ def paged_attention(
     dot_dt = dot_dtype(torch.float16 if fp8 and query.dtype != torch.float32 else query.dtype)
     precision = "ieee" if query.dtype == torch.float32 or interpreting() else "tf32"
     opts = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
-    off32 = cfg.offsets32 and _fits_int32(kc, kc.shape[-1]) and _fits_int32(vc, vc.shape[-1])
+    off32 = cfg.offsets32 and _fits_int32(kc) and _fits_int32(vc)
     q_in = query
     if cfg.q_fold == 2:  # fold softmax scale (* log2 e, the kernel's exp2 domain) into q here
         q_in = torch.mul(query, scale * LOG2E)

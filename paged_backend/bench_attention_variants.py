@@ -149,13 +149,13 @@ class VariantSweep:
 
     def _resolve(self, v: Variant, b: int, c: int, kv_elem: int):
         """(config or None, num_splits or None) of a decode variant at one cell; None if it adds nothing."""
-        from paged_backend.kernels.paged_attention import pick_config, pick_num_splits
+        from paged_backend.kernels.paged_attention import device_sms, pick_config, pick_num_splits
 
         a = self.args
         if v.name == "default":
             return None, None
         cfg = replace(pick_config(1, a.heads // a.kv_heads, a.head_dim, kv_elem, baseline=True), **v.cfg)
-        auto = pick_num_splits(b * a.kv_heads, c, cfg.tile_n, self.dev)
+        auto = pick_num_splits(b * a.kv_heads, c, cfg.tile_n, device_sms(self.dev))
         if v.splits == "x2":
             more = min(2 * auto, max(1, c // (2 * cfg.tile_n)))  # keep >= 2 KV tiles per split
             return (cfg, more) if more > auto else None
@@ -174,7 +174,12 @@ class VariantSweep:
 
     def _decode_kind(self, kind: str, b: int, c: int, results: dict) -> None:
         torch = self.torch
-        from paged_backend.kernels.paged_attention import paged_attention, pick_config, pick_num_splits
+        from paged_backend.kernels.paged_attention import (
+            device_sms,
+            paged_attention,
+            pick_config,
+            pick_num_splits,
+        )
         from paged_backend.kernels.paged_attention_ref import paged_attention_ref
 
         a = self.args
@@ -225,7 +230,7 @@ class VariantSweep:
         times = self._time_graphs(
             [[lambda x=x, cfg=cfg, ns=ns: call(x, cfg, ns) for x in inputs] for _, cfg, ns, _ in ok_variants])
         base = pick_config(1, a.heads // hkv, d, elem, num_seqs=b, num_kv_heads=hkv)  # what 'default' runs
-        auto = pick_num_splits(b * hkv, c, base.tile_n, self.dev)
+        auto = pick_num_splits(b * hkv, c, base.tile_n, device_sms(self.dev))
         self.say(f"\n== decode {kind} batch {b} x ctx {c}: KV {kv_bytes / 1e6:.0f} MB, {copies} copies per "
                  f"replay, default splits {auto}")
         self.say(f"  {'variant':<20} {'splits':>6} {'tile/warps/stages':>17} {'ms':>8} {'GB/s':>6} {'%peak':>6} "
@@ -235,7 +240,7 @@ class VariantSweep:
             if ms is None:
                 continue
             cfg_used = cfg or base
-            splits = ns or pick_num_splits(b * hkv, c, cfg_used.tile_n, self.dev)
+            splits = ns or pick_num_splits(b * hkv, c, cfg_used.tile_n, device_sms(self.dev))
             err2 = self._rel_err(call(inputs[0], cfg, ns)[:n], ref)
             bw = (kv_bytes + io_bytes) / (ms * 1e-3)
             if v.name == "default":

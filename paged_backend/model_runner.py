@@ -167,10 +167,10 @@ class ModelRunner:
         """Compile the attention kernel variants any step can need now, not on the step that first
         needs one (a stall of seconds: a server's first request of a new shape)."""
         warm = getattr(self.attn_backend, "warm_up", None)
-        if warm is None or self.device.type != "cuda" or not self.kv_caches:
+        if warm is None or not self.kv_caches:
             return
         t0 = time.perf_counter()
-        heads = self.num_kv_heads * (self.info.num_heads // self.info.num_kv_heads)
+        heads = local_heads(self.info, self.tp)[0]
         lim = self.limits
         try:
             n = warm(self.kv_caches[0], self.dtype, heads, max_num_seqs=lim.max_num_seqs,

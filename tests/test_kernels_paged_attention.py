@@ -388,7 +388,7 @@ def test_cuda_graph_replay_default_decode(monkeypatch):
     reqs = [(600 + 97 * i, 1) for i in range(16)]  # 16 requests x 4 KV heads = 64 programs
     q, kv, bt, sl, qsl = make_batch(reqs, 8, 4, 128, 16, torch.bfloat16, seed=19)
     max_seq = 4096  # a bound, as the graphs capture with max_model_len
-    splits = pa.pick_num_splits(16 * 4, max_seq, 128, q.device)
+    splits = pa.pick_num_splits(16 * 4, max_seq, 128, pa.device_sms(q.device))
     assert splits > 1
     out = torch.empty_like(q)
 
@@ -421,11 +421,11 @@ def test_cuda_graph_replay_default_decode(monkeypatch):
 def test_offsets32_only_when_they_fit():
     """int32 offsets are used only when every offset into the cache is below 2^31."""
     small = torch.empty((2, 1000, 16, 8, 128), device="meta")
-    assert pa._fits_int32(small[0], 128) and pa._fits_int32(small[1], 128)
+    assert pa._fits_int32(small[0]) and pa._fits_int32(small[1])
     # head 0's last element: (nb - 1) * 16384 + 15 * 1024 + 127 (the head offset is added in 64-bit)
     nb = 2**31 // (16 * 8 * 128)
-    assert pa._fits_int32(torch.empty((2, nb, 16, 8, 128), device="meta")[0], 128) is True
-    assert pa._fits_int32(torch.empty((2, nb + 1, 16, 8, 128), device="meta")[0], 128) is False
+    assert pa._fits_int32(torch.empty((2, nb, 16, 8, 128), device="meta")[0]) is True
+    assert pa._fits_int32(torch.empty((2, nb + 1, 16, 8, 128), device="meta")[0]) is False
 
 
 def test_bench_variants_are_valid_configs():
@@ -547,7 +547,7 @@ def test_int64_offsets_large_cache(tmp_path, dtype, offsets32):
             assert torch.equal(cache[0, blk, off].float(), k[i].float())
             assert torch.equal(cache[1, blk, off].float(), v[i].float())
     out = torch.full_like(q, float("nan"))
-    assert not pa._fits_int32(cache[0], head_dim)
+    assert not pa._fits_int32(cache[0])
     cfg = None
     if offsets32:  # decode-shaped tiles, as pick_config would choose, plus the int32-offset request
         cfg = dataclasses.replace(pa.pick_config(40, 4, head_dim, cache.element_size()), offsets32=True)
@@ -641,3 +641,27 @@ def test_warmup_shapes_reach_every_step_variant(heads, kv_heads, head_dim, kv_el
     missing = {variant(*s) for s in steps} - warmed
     assert not missing, f"{len(missing)} variants not warmed, e.g. {sorted(map(str, missing))[:2]}"
     assert len(warmed) >= 4
+
+
+@pytest.mark.skipif(not CUDA, reason="compiles Triton kernels for the GPU")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_warm_up_compiles_what_engine_steps_launch(fp8):
+    """After ``warm_up`` for some engine limits, steps within them (decode, prefill, chunks over a
+    context, mixed) launch no kernel that still has to compile."""
+    from paged_backend.kernels._launch import compiled_variants
+
+    width = 67  # the engine's block-table rows: max_model_len / block_size + 1 (an odd width here)
+    limits = dict(max_num_seqs=96, max_num_batched_tokens=2048, max_model_len=(width - 1) * 16)
+    steps = [[(100, 1)] * 3, [(0, 300)], [(500, 40), (33, 1), (0, 7)], [(700, 1)] * 90, [(0, 1000), (20, 1)]]
+    batches = [make_batch(reqs, 8, 2, 64, 16, torch.bfloat16, fp8=fp8, seed=30 + i)
+               for i, reqs in enumerate(steps)]
+    scales = (torch.tensor(0.5, device=DEVICE), torch.tensor(1.5, device=DEVICE)) if fp8 else (None, None)
+    assert pa.warm_up(batches[0][1], torch.bfloat16, 8, max_blocks=width, k_scale=scales[0], v_scale=scales[1],
+                      **limits) > 0
+    before = compiled_variants()
+    for q, kv, bt, sl, qsl in batches:
+        table = torch.zeros((bt.shape[0], width), dtype=torch.int32, device=DEVICE)
+        table[:, : bt.shape[1]] = bt
+        paged_attention(q, kv, table, sl, qsl, 0.125, *scales)
+    torch.cuda.synchronize()
+    assert compiled_variants() == before
