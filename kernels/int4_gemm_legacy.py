@@ -253,8 +253,10 @@ def check_int4_weights(
 
 
 def legacy_layout(qweight: torch.Tensor) -> torch.Tensor:
-    """The kernel layout's int32 [N, K/8] -> this kernel's [K/8, N]."""
-    return qweight.t().contiguous()
+    """The kernel layout's int32 [N, K/8] -> this kernel's [K/8, N] (GPTQ's plain nibble order)."""
+    from paged_backend.kernels.int4_gemm_ref import pack_int4, unpack_int4_kernel
+
+    return pack_int4(unpack_int4_kernel(qweight))
 
 
 def int4_gemm(

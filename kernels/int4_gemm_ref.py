@@ -2,7 +2,12 @@
 
 The one layout every int4 format (AWQ, GPTQ, compressed-tensors) is repacked into at load::
 
-    qweight  int32 [N, K/8]   nibble j (bits 4j..4j+3) of qweight[n, r] = q[8r + j, n], 0..15
+    qweight  int32 [N, K/8]   word r of row n holds q[8r + c, n] (0..15) for c = 0..7 at bits
+                              4 * (c // 2) + 16 * (c % 2): even c in the low half-word, odd c
+                              in the high one (``KERNEL_NIBBLE``), so one mask of 0x000F000F
+                              (after a shift by 4i) lifts columns 2i and 2i + 1 into the two
+                              halves of a 32-bit register: a 16-bit pair as the tensor cores
+                              take it, converted by one OR and one paired subtract
     scales   float [G, N]     G = K / group_size (one group when group_size = K); fp16/bf16 when
                               that holds the checkpoint's scales exactly, else fp32
     zeros    uint8 [G, N]     0..16 (GPTQ v1 checkpoints can encode 16)
@@ -23,6 +28,7 @@ import torch
 
 PACK = 8  # int4 values per int32
 _SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
+KERNEL_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # kernel layout: column c of a word sits in nibble KERNEL_NIBBLE[c]
 
 
 def pack_int4(q: torch.Tensor) -> torch.Tensor:
@@ -47,14 +53,24 @@ def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
     return q.reshape(r * PACK, n).to(torch.uint8)
 
 
+def _kernel_order(k: int) -> torch.Tensor:
+    """Row order that ``pack_int4`` turns into the kernel's nibble order: nibble j of word r
+    takes row 8r + c where KERNEL_NIBBLE[c] = j."""
+    col_of_nibble = torch.tensor(KERNEL_NIBBLE).argsort()
+    return (torch.arange(0, k, PACK).view(-1, 1) + col_of_nibble.view(1, -1)).reshape(-1)
+
+
 def pack_int4_kernel(q: torch.Tensor) -> torch.Tensor:
     """int [K, N] values 0..15 -> the kernel's int32 [N, K/8] (contiguous)."""
-    return pack_int4(q).t().contiguous()
+    if q.shape[0] % PACK:
+        raise ValueError(f"pack_int4: K={q.shape[0]} is not a multiple of {PACK}")
+    return pack_int4(q[_kernel_order(q.shape[0]).to(q.device)]).t().contiguous()
 
 
 def unpack_int4_kernel(qweight: torch.Tensor) -> torch.Tensor:
     """The kernel's int32 [N, K/8] -> uint8 [K, N] (inverse of ``pack_int4_kernel``)."""
-    return unpack_int4(qweight.t())
+    q = unpack_int4(qweight.t())
+    return q[_kernel_order(q.shape[0]).argsort().to(q.device)]
 
 
 def compact_scales(scales: torch.Tensor) -> torch.Tensor:

@@ -357,7 +357,10 @@ class QuantBench:
 
         legacy = self._int4_cell(x, ws, k, n, m, act_order, bf16_us, variant="int4 legacy", legacy=True)
         gs = k if ws[0].group_size == -1 else ws[0].group_size
-        trial(default_config(m, n, k, gs))
+        default = default_config(m, n, k, gs)
+        trial(default)
+        if default.path == "dot":  # the paired 16-bit dequantization against the fp32 route
+            trial(dataclasses.replace(default, pairs=False))
         for cfg in sweep_candidates(m):  # stage 1: kernels, tiles, warps, stages (automatic split-K)
             trial(cfg)
         for best in sorted(results, key=lambda r: r["us"])[:2]:  # stage 2: split-K on the two best

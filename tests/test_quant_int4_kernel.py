@@ -14,6 +14,7 @@ import functools
 import pytest
 import torch
 from paged_backend.kernels.int4_gemm_ref import (
+    KERNEL_NIBBLE,
     compact_scales,
     dequantize_int4_ref,
     int4_gemm_ref,
@@ -49,8 +50,9 @@ def test_kernel_layout_is_n_major_with_k_packed_words():
     qw = pack_int4_kernel(q)
     assert qw.shape == (5, 3) and qw.is_contiguous()
     for n in (0, 4):
-        for k in (0, 7, 8, 23):
-            assert (int(qw[n, k // 8]) >> (4 * (k % 8))) & 0xF == int(q[k, n])
+        for k in range(24):  # column c of a word: bits 4 * (c // 2) + 16 * (c % 2)
+            assert (int(qw[n, k // 8]) >> (4 * (k % 8 // 2) + 16 * (k % 2))) & 0xF == int(q[k, n])
+    assert [4 * (c // 2) + 16 * (c % 2) for c in range(8)] == [4 * j for j in KERNEL_NIBBLE]
     assert torch.equal(unpack_int4_kernel(qw).long(), q)
 
 
@@ -262,6 +264,29 @@ def test_cuda_group_sizes_and_paths(group_size, m, path):
     for act_order in (False, True):
         for reduce in ("last", "kernel"):
             _check_cuda_case(m, 4096, 4096, group_size, act_order, dataclasses.replace(cfg, reduce=reduce))
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("scale_after", [True, False])
+@pytest.mark.parametrize("scales_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_cuda_dot_pairs_dequant_matches_fp32_route(dtype, scale_after, scales_dtype):
+    """The dot path's paired 16-bit dequantization gives the fp32 route's bits: q - z is exact
+    either way, and a scale folded in before the dot is rounded once (the paired multiply when
+    the scales are in x's dtype; the fp32 route otherwise)."""
+    from paged_backend.kernels.int4_gemm import int4_gemm
+
+    k, n, m = 1024, 384, 16
+    qweight, _, scales, zeros, perm = _random_int4(k, n, 128, True, scales_dtype, seed=5)
+    qweight, scales, zeros, perm = qweight.cuda(), scales.cuda(), zeros.cuda(), perm.cuda()
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to("cuda", dtype)
+    cfg = _cfg(path="dot", block_m=16, block_n=128, block_k=128, swap_ab=True, scale_after=scale_after)
+    got = int4_gemm(x, qweight, scales, zeros, 128, perm, config=cfg)
+    fp32_route = int4_gemm(x, qweight, scales, zeros, 128, perm, config=dataclasses.replace(cfg, pairs=False))
+    assert torch.equal(got, fp32_route)
+    w = dequantize_int4_ref(qweight, scales, zeros, 128)
+    want = x.float().index_select(1, perm.long()) @ w
+    torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
 
 
 @functools.lru_cache(maxsize=16)
