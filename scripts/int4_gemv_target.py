@@ -1,10 +1,11 @@
-"""A profiler target: the int4 GEMV (M = 1) and bf16 cuBLAS at one weight shape, a few calls each.
+"""A profiler target: the int4 kernel (default config for M rows, M = 1: the GEMV) and bf16 cuBLAS
+at one weight shape, a few calls each.
 
 For Nsight Compute on the GPU (docs/BENCHMARKS.md, "Quantized weights")::
 
     ncu --clock-control none -k regex:_int4 --launch-skip 2 --launch-count 1 \\
         --section SpeedOfLight --section WarpStateStats --section LaunchStats \\
-        --section Occupancy --section SchedulerStats python scripts/int4_gemv_target.py [K N GROUP]
+        --section Occupancy --section SchedulerStats python scripts/int4_gemv_target.py [K N GROUP [M]]
 
 Random weights in the kernel layout (timing only; correctness is ``bench quant``'s check).
 """
@@ -18,10 +19,10 @@ from paged_backend.kernels.int4_gemm import int4_gemm
 
 
 def main(argv: list[str]) -> None:
-    k, n, group = (int(a) for a in argv) if argv else (4096, 14336, 128)
+    k, n, group, m = (int(a) for a in argv + ["4096", "14336", "128", "1"][len(argv):])
     torch.manual_seed(0)
     dev = "cuda"
-    x = torch.randn(1, k, dtype=torch.bfloat16, device=dev)
+    x = torch.randn(m, k, dtype=torch.bfloat16, device=dev)
     qweight = torch.randint(-(2**31), 2**31 - 1, (n, k // 8), dtype=torch.int32, device=dev)
     scales = torch.rand(k // group, n, dtype=torch.bfloat16, device=dev) * 0.01
     zeros = torch.randint(0, 16, (k // group, n), dtype=torch.uint8, device=dev)
