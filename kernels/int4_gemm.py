@@ -189,19 +189,22 @@ def _x_row(x_ptr, perm_ptr, row, M, stride_xm, kw, mask_k, X_MODE: tl.constexpr)
 
 
 @triton.jit
-def _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7, xs):
-    """sum_j x_j[w] * (q_j - z) for one activation row: [BN, W] fp32 (the nibbles are re-derived per
-    row; ptxas keeps them when registers allow)."""
+def _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs):
+    """s * sum_j x_j[w] * (q_j - z) for one activation row: [BN, W] fp32, as
+    s * (sum_j x_j q_j - z sum_j x_j): the nibble's offset 2^p is an immediate operand, so no
+    per-column offsets occupy registers (the nibbles are re-derived per row; ptxas keeps them
+    when registers allow)."""
     x0, x1, x2, x3, x4, x5, x6, x7 = xs  # by column; nibble j holds column 2j (j < 4), 2(j - 4) + 1
-    t = (_nibble(words, w12, 0, e23) - c23) * x0[None, :]
-    t += (_nibble(words, w12, 1, e19) - c19) * x2[None, :]
-    t += (_nibble(words, w12, 2, e15) - c15) * x4[None, :]
-    t += (_nibble(words, w12, 3, e11) - c11) * x6[None, :]
-    t += (_nibble(words, w12, 4, e19) - c19) * x1[None, :]
-    t += (_nibble(words, w12, 5, e15) - c15) * x3[None, :]
-    t += (_nibble(words, w12, 6, e11) - c11) * x5[None, :]
-    t += (_nibble(words, w12, 7, e7) - c7) * x7[None, :]
-    return t
+    t = (_nibble(words, w12, 0, e23) - 8388608.0) * x0[None, :]
+    t += (_nibble(words, w12, 1, e19) - 524288.0) * x2[None, :]
+    t += (_nibble(words, w12, 2, e15) - 32768.0) * x4[None, :]
+    t += (_nibble(words, w12, 3, e11) - 2048.0) * x6[None, :]
+    t += (_nibble(words, w12, 4, e19) - 524288.0) * x1[None, :]
+    t += (_nibble(words, w12, 5, e15) - 32768.0) * x3[None, :]
+    t += (_nibble(words, w12, 6, e11) - 2048.0) * x5[None, :]
+    t += (_nibble(words, w12, 7, e7) - 128.0) * x7[None, :]
+    xsum = ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
+    return (t - z * xsum[None, :]) * s
 
 
 @triton.jit
@@ -400,37 +403,31 @@ def _int4_gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, W), dtype=tl.float32)
     if PREFETCH:
         words = _load_words(rows, tl.multiple_of(k_start // 8, W) + offs_w, mask_n, k_end, EVEN_K)
+    # the group's scale and zero rows, one k-block ahead (see _int4_dot_kernel)
+    s_next, z_next = _group_row(s_ptr, z_ptr, k_start // group_size, stride_sg, stride_zg, offs_n, mask_n)
     for k0 in range(k_start, k_end, BLOCK_K):
         kw = tl.multiple_of(k0 // 8, W) + offs_w
+        more = tl.zeros_like(offs_n) + k0 + BLOCK_K < k_end  # (uniform: keeps the 16-byte loads)
         if PREFETCH:  # the next block's words are in flight while this one is computed
-            more = tl.zeros_like(offs_n) + k0 + BLOCK_K < k_end  # (uniform: keeps the 16-byte loads)
             nxt = _load_words(rows, kw + W, mask_n & more, k_end, EVEN_K)
         else:
             words = _load_words(rows, kw, mask_n, k_end, EVEN_K)
-        g = k0 // group_size
-        s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)[:, None]
-        z = tl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(tl.float32)[:, None]
-        c23 = z + 8388608.0  # 2^p + z: _nibble's value minus this is q - z, exactly
-        c19 = z + 524288.0
-        c15 = z + 32768.0
-        c11 = z + 2048.0
-        c7 = z + 128.0
+        s = s_next[:, None]
+        z = z_next.to(tl.float32)[:, None]
+        s_next, z_next = _group_row(s_ptr, z_ptr, (k0 + BLOCK_K) // group_size, stride_sg, stride_zg, offs_n,
+                                    mask_n & more)
         w12 = words >> 12
         mask_k = kw * 8 < k_end
-        t = _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7,
-                       _x_row(x_ptr, perm_ptr, m0, M, stride_xm, kw, mask_k, X_MODE))
-        acc0 += t * s
+        acc0 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7,
+                           _x_row(x_ptr, perm_ptr, m0, M, stride_xm, kw, mask_k, X_MODE))
         if BLOCK_M > 1:
-            t = _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7,
-                           _x_row(x_ptr, perm_ptr, m0 + 1, M, stride_xm, kw, mask_k, X_MODE))
-            acc1 += t * s
+            acc1 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7,
+                               _x_row(x_ptr, perm_ptr, m0 + 1, M, stride_xm, kw, mask_k, X_MODE))
         if BLOCK_M > 2:
-            t = _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7,
-                           _x_row(x_ptr, perm_ptr, m0 + 2, M, stride_xm, kw, mask_k, X_MODE))
-            acc2 += t * s
-            t = _row_block(words, w12, c23, c19, c15, c11, c7, e23, e19, e15, e11, e7,
-                           _x_row(x_ptr, perm_ptr, m0 + 3, M, stride_xm, kw, mask_k, X_MODE))
-            acc3 += t * s
+            acc2 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7,
+                               _x_row(x_ptr, perm_ptr, m0 + 2, M, stride_xm, kw, mask_k, X_MODE))
+            acc3 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7,
+                               _x_row(x_ptr, perm_ptr, m0 + 3, M, stride_xm, kw, mask_k, X_MODE))
         if PREFETCH:
             words = nxt
     offs_m = m0 + tl.arange(0, BLOCK_M)
