@@ -135,10 +135,11 @@ def _load_words(rows, kw, mask_n, k_end, EVEN_K: tl.constexpr):
 
 
 @triton.jit
-def _x_row(x_ptr, perm_ptr, row, M, stride_xm, kw, mask_k, X_MODE: tl.constexpr):
-    """x[row, 8 kw + j] for j = 0..7 as eight fp32 [W] vectors (0 past K or for rows >= M).
-    X_MODE 0: bf16 pairs (one 32-bit load per two values, shifted into fp32 bits), 1: fp16 pairs,
-    2: one load per value (fp32 activations), 3: gathered through ``perm`` (act-order)."""
+def _x_load(x_ptr, perm_ptr, row, M, stride_xm, kw, mask_k, X_MODE: tl.constexpr):
+    """The raw loads of x[row, 8 kw + c] for c = 0..7 (0 past K or for rows >= M), converted by
+    ``_x_vals`` where they are used (so a k-block's loads can be issued one block ahead).
+    X_MODE 0/1: bf16/fp16 pairs (four 32-bit loads per word column; the last four entries repeat
+    them), 2: one load per value (fp32 activations), 3: gathered through ``perm`` (act-order)."""
     mask = mask_k & (tl.zeros_like(kw) + row < M)  # (a tensor: the interpreter rejects scalar masks)
     if X_MODE < 2:
         x32 = (x_ptr + row * stride_xm).to(tl.pointer_type(tl.int32)) + kw * 4
@@ -146,46 +147,50 @@ def _x_row(x_ptr, perm_ptr, row, M, stride_xm, kw, mask_k, X_MODE: tl.constexpr)
         p1 = tl.load(x32 + 1, mask=mask, other=0)
         p2 = tl.load(x32 + 2, mask=mask, other=0)
         p3 = tl.load(x32 + 3, mask=mask, other=0)
-        if X_MODE == 0:  # bf16 -> fp32 is the 16 bits moved up
-            x0 = (p0 << 16).to(tl.float32, bitcast=True)
-            x1 = (p0 & -65536).to(tl.float32, bitcast=True)
-            x2 = (p1 << 16).to(tl.float32, bitcast=True)
-            x3 = (p1 & -65536).to(tl.float32, bitcast=True)
-            x4 = (p2 << 16).to(tl.float32, bitcast=True)
-            x5 = (p2 & -65536).to(tl.float32, bitcast=True)
-            x6 = (p3 << 16).to(tl.float32, bitcast=True)
-            x7 = (p3 & -65536).to(tl.float32, bitcast=True)
-        else:
-            x0 = p0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            x1 = (p0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            x2 = p1.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            x3 = (p1 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            x4 = p2.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            x5 = (p2 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            x6 = p3.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
-            x7 = (p3 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        raw = (p0, p1, p2, p3, p0, p1, p2, p3)
+    elif X_MODE == 3:
+        base = x_ptr + row * stride_xm
+        k = kw * 8
+        raw = (tl.load(base + tl.load(perm_ptr + k, mask=mask_k, other=0), mask=mask, other=0.0),
+                tl.load(base + tl.load(perm_ptr + k + 1, mask=mask_k, other=0), mask=mask, other=0.0),
+                tl.load(base + tl.load(perm_ptr + k + 2, mask=mask_k, other=0), mask=mask, other=0.0),
+                tl.load(base + tl.load(perm_ptr + k + 3, mask=mask_k, other=0), mask=mask, other=0.0),
+                tl.load(base + tl.load(perm_ptr + k + 4, mask=mask_k, other=0), mask=mask, other=0.0),
+                tl.load(base + tl.load(perm_ptr + k + 5, mask=mask_k, other=0), mask=mask, other=0.0),
+                tl.load(base + tl.load(perm_ptr + k + 6, mask=mask_k, other=0), mask=mask, other=0.0),
+                tl.load(base + tl.load(perm_ptr + k + 7, mask=mask_k, other=0), mask=mask, other=0.0))
     else:
         base = x_ptr + row * stride_xm
         k = kw * 8
-        if X_MODE == 3:
-            x0 = tl.load(base + tl.load(perm_ptr + k, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
-            x1 = tl.load(base + tl.load(perm_ptr + k + 1, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(base + tl.load(perm_ptr + k + 2, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
-            x3 = tl.load(base + tl.load(perm_ptr + k + 3, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
-            x4 = tl.load(base + tl.load(perm_ptr + k + 4, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
-            x5 = tl.load(base + tl.load(perm_ptr + k + 5, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
-            x6 = tl.load(base + tl.load(perm_ptr + k + 6, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
-            x7 = tl.load(base + tl.load(perm_ptr + k + 7, mask=mask_k, other=0), mask=mask, other=0.0).to(tl.float32)
-        else:
-            x0 = tl.load(base + k, mask=mask, other=0.0).to(tl.float32)
-            x1 = tl.load(base + k + 1, mask=mask, other=0.0).to(tl.float32)
-            x2 = tl.load(base + k + 2, mask=mask, other=0.0).to(tl.float32)
-            x3 = tl.load(base + k + 3, mask=mask, other=0.0).to(tl.float32)
-            x4 = tl.load(base + k + 4, mask=mask, other=0.0).to(tl.float32)
-            x5 = tl.load(base + k + 5, mask=mask, other=0.0).to(tl.float32)
-            x6 = tl.load(base + k + 6, mask=mask, other=0.0).to(tl.float32)
-            x7 = tl.load(base + k + 7, mask=mask, other=0.0).to(tl.float32)
-    return x0, x1, x2, x3, x4, x5, x6, x7
+        raw = (tl.load(base + k, mask=mask, other=0.0), tl.load(base + k + 1, mask=mask, other=0.0),
+               tl.load(base + k + 2, mask=mask, other=0.0), tl.load(base + k + 3, mask=mask, other=0.0),
+               tl.load(base + k + 4, mask=mask, other=0.0), tl.load(base + k + 5, mask=mask, other=0.0),
+               tl.load(base + k + 6, mask=mask, other=0.0), tl.load(base + k + 7, mask=mask, other=0.0))
+    return raw
+
+
+@triton.jit
+def _x_vals(raw, X_MODE: tl.constexpr):
+    """``_x_load``'s values as eight fp32 [W] vectors, by column."""
+    r0, r1, r2, r3, r4, r5, r6, r7 = raw
+    if X_MODE == 0:  # bf16 -> fp32 is the 16 bits moved up
+        xs = ((r0 << 16).to(tl.float32, bitcast=True), (r0 & -65536).to(tl.float32, bitcast=True),
+                (r1 << 16).to(tl.float32, bitcast=True), (r1 & -65536).to(tl.float32, bitcast=True),
+                (r2 << 16).to(tl.float32, bitcast=True), (r2 & -65536).to(tl.float32, bitcast=True),
+                (r3 << 16).to(tl.float32, bitcast=True), (r3 & -65536).to(tl.float32, bitcast=True))
+    elif X_MODE == 1:
+        xs = (r0.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (r0 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                r1.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (r1 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                r2.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (r2 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                r3.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32),
+                (r3 >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32))
+    else:
+        xs = (r0.to(tl.float32), r1.to(tl.float32), r2.to(tl.float32), r3.to(tl.float32),
+              r4.to(tl.float32), r5.to(tl.float32), r6.to(tl.float32), r7.to(tl.float32))
+    return xs
 
 
 @triton.jit
@@ -382,7 +387,7 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,  # divides group_size (or G = 1): one scale row per k-block
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K (16-byte weight loads)
     PREFETCH: tl.constexpr,  # load the next k-block's words before using this one's
-    X_MODE: tl.constexpr,  # see _x_row
+    X_MODE: tl.constexpr,  # see _x_load
     REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
 ):
@@ -403,8 +408,13 @@ def _int4_gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, W), dtype=tl.float32)
     if PREFETCH:
         words = _load_words(rows, tl.multiple_of(k_start // 8, W) + offs_w, mask_n, k_end, EVEN_K)
-    # the group's scale and zero rows, one k-block ahead (see _int4_dot_kernel)
+    # the group's scale and zero rows (and with one activation row, its values) one k-block
+    # ahead: the k-block's arithmetic then waits on nothing but its weight words (the
+    # activations come from L2, but a round trip per k-block left every warp stalled on them;
+    # with more rows the registers are not there)
     s_next, z_next = _group_row(s_ptr, z_ptr, k_start // group_size, stride_sg, stride_zg, offs_n, mask_n)
+    kw0 = tl.multiple_of(k_start // 8, W) + offs_w
+    xr0 = _x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw0, kw0 * 8 < k_end, X_MODE)
     for k0 in range(k_start, k_end, BLOCK_K):
         kw = tl.multiple_of(k0 // 8, W) + offs_w
         more = tl.zeros_like(offs_n) + k0 + BLOCK_K < k_end  # (uniform: keeps the 16-byte loads)
@@ -418,16 +428,20 @@ def _int4_gemv_kernel(
                                     mask_n & more)
         w12 = words >> 12
         mask_k = kw * 8 < k_end
-        acc0 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7,
-                           _x_row(x_ptr, perm_ptr, m0, M, stride_xm, kw, mask_k, X_MODE))
+        if BLOCK_M == 1:
+            xs = _x_vals(xr0, X_MODE)
+            xr0 = _x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw + W, (kw + W) * 8 < k_end, X_MODE)
+        else:
+            xs = _x_vals(_x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw, mask_k, X_MODE), X_MODE)
+        acc0 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs)
         if BLOCK_M > 1:
-            acc1 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7,
-                               _x_row(x_ptr, perm_ptr, m0 + 1, M, stride_xm, kw, mask_k, X_MODE))
+            xs = _x_vals(_x_load(x_ptr, perm_ptr, m0 + 1, M, stride_xm, kw, mask_k, X_MODE), X_MODE)
+            acc1 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs)
         if BLOCK_M > 2:
-            acc2 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7,
-                               _x_row(x_ptr, perm_ptr, m0 + 2, M, stride_xm, kw, mask_k, X_MODE))
-            acc3 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7,
-                               _x_row(x_ptr, perm_ptr, m0 + 3, M, stride_xm, kw, mask_k, X_MODE))
+            xs = _x_vals(_x_load(x_ptr, perm_ptr, m0 + 2, M, stride_xm, kw, mask_k, X_MODE), X_MODE)
+            acc2 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs)
+            xs = _x_vals(_x_load(x_ptr, perm_ptr, m0 + 3, M, stride_xm, kw, mask_k, X_MODE), X_MODE)
+            acc3 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs)
         if PREFETCH:
             words = nxt
     offs_m = m0 + tl.arange(0, BLOCK_M)
