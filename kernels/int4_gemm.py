@@ -11,13 +11,15 @@ words (every row a contiguous run: 16-byte loads), the group's scale and zero ro
 each of the BLOCK_M activation rows::
 
     v_j = float(word & (0xF << 4j) | exponent bits of 2^(23 - 4j))   = 2^(23-4j) + q, one LOP3
-    t[n, w] = sum_j x[m, 8w + c_j] * (v_j - (2^(23-4j) + z[n]))     exact q - z: one FADD, one FFMA
-    acc[m][n, w] += s[n] * t[n, w]                                    reduced over w once, at the end
+    t[n, w] = sum_j x[m, 8w + c_j] * (v_j - 2^(23-4j))               exact q: FADD (immediate), FFMA
+    acc[m][n, w] += s[n] * (t[n, w] - z[n] * sum_j x[m, 8w + j])      reduced over w once, at the end
 
-(nibbles 4..7 the same way from word >> 12). Everything stays in the layout of the loaded words
-(no shared-memory round trips), about 4.2 instructions per weight nibble for one row in the sm_90
-SASS. Act-order: the activations are gathered through ``perm`` in the kernel (``gather_x``; they
-are a few KB and cached), else one ``index_select`` first.
+(nibbles 4..7 the same way from word >> 12; c_j: the column of nibble j). Everything stays in
+the layout of the loaded words, about 4.4 instructions per weight nibble for one row in the sm_90
+SASS; no offsets held per column, so 168 registers (250 with the next k-block's words in flight,
+``num_stages`` 2). The group's scale and zero rows and (one row) the activations are loaded one
+k-block ahead. Act-order: the activations are gathered through ``perm`` in the kernel
+(``gather_x``; they are a few KB and cached), else one ``index_select`` first.
 
 ``dot`` (prefill, and decode batches from two rows): on the GPU with bf16/fp16 activations the
 kernel layout's nibble order pays off: columns 2i and 2i + 1 of a word sit at bits 4i and 16 + 4i,
@@ -629,8 +631,8 @@ def _tickets(device: torch.device) -> torch.Tensor | None:
 def pick_split_k(m: int, k: int, tiles: int, k_blocks: int, sms: int, programs_per_sm: int = 4) -> int:
     """K slices for a memory-bound launch: up to ``programs_per_sm`` programs per SM (enough weight
     bytes in flight, in one wave), at most 32 slices and one k-block per slice, and the fp32 partials
-    (written and read back: 8 * splits * M * N bytes) at most half the weight's K * N / 2 bytes."""
-    cap = min(32, k_blocks, max(1, k // (32 * max(1, m))))
+    (written and read back: 8 * splits * M * N bytes) at most the weight's K * N / 2 bytes."""
+    cap = min(32, k_blocks, max(1, k // (16 * max(1, m))))
     return max(1, min((programs_per_sm * sms) // tiles, cap))  # at most one wave: no straggler tail
 
 
@@ -642,26 +644,25 @@ def pow2_factor(v: int) -> int:
 def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
     """The launch configuration for an [m, k] x [k, n] product (split-K left to ``pick_split_k``).
 
-    One row: the FMA GEMV, 8 output columns per thread (the fewest instructions per weight,
-    ~4.2 per nibble in the sm_90 SASS). More rows: tensor cores, W^T x^T while the tokens fit
-    the MMA's N side (~4.6 per nibble, flat in M), x W with 128-row tiles beyond 64 tokens.
+    One row: the FMA GEMV, 8 output columns per thread, the next k-block's words in flight
+    (~4.4 instructions per nibble in the sm_90 SASS, 250 registers). More rows: tensor cores,
+    W^T x^T while the tokens fit the MMA's N side (paired dequantization, ~3 instructions per
+    nibble with everything else, flat in M), x W with 128-row tiles beyond 64 tokens.
     ``bench quant --sweep`` times these against the alternatives on the GPU."""
     if interpreting():  # small tiles keep the CPU interpreter fast
         if m <= 4:
             return Int4Config("gemv", block_m=triton.next_power_of_2(m), block_n=32, block_k=32, num_stages=1)
         return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
-    # the H200 sweep's picks (bench quant --sweep, docs/BENCHMARKS.md): within 1.01x / 1.10x /
-    # 1.22x / 1.57x of each shape's best at M = 1 / 16 / 64 / 256
+    # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth session)
     if m == 1:
-        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2, num_stages=1)
+        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2, num_stages=2)
     if m <= 16:
-        return Int4Config("dot", block_m=16, block_n=128, block_k=128, split_k=8, num_warps=8, num_stages=3,
-                          swap_ab=True)
+        return Int4Config("dot", block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
     if m <= 32:
         return Int4Config("dot", block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4, swap_ab=True)
     if m <= 64:
-        return Int4Config("dot", block_m=64, block_n=64, block_k=128, split_k=4, num_warps=4, num_stages=4,
-                          swap_ab=True)
+        return Int4Config("dot", block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4, swap_ab=True,
+                          reduce="kernel")
     return Int4Config("dot", block_m=128, block_n=64, block_k=64, num_warps=4, num_stages=4)
 
 

@@ -139,6 +139,7 @@ VARIANTS = [
     (dict(path="gemv", block_m=4, block_n=32, block_k=32), 32, True, torch.bfloat16, 3),
     (dict(path="gemv", block_m=4, block_n=16, block_k=64, num_stages=2), -1, False, torch.float32, 5),
     (dict(path="gemv", block_m=1, block_n=32, block_k=64, gather_x=False), 64, True, torch.float16, 1),
+    (dict(path="gemv", block_m=1, block_n=32, block_k=32, num_stages=1), 64, True, torch.bfloat16, 1),
     # tensor cores: x W or W^T x^T, scale after or before the dot
     (dict(path="dot", block_m=16, block_n=32, block_k=32), 32, True, torch.float16, 5),
     (dict(path="dot", block_m=16, block_n=16, block_k=64, swap_ab=True), 64, False, torch.bfloat16, 9),
@@ -193,8 +194,8 @@ def test_pick_split_k():
     assert pick_split_k(1, 4096, 600, 32, 132) == 1  # the tiles alone fill the GPU
     assert pick_split_k(1, 512, 4, 4, 132) == 4  # at most one slice per k-block
     assert pick_split_k(1, 1 << 20, 1, 8192, 132) == 32  # capped
-    assert pick_split_k(16, 4096, 32, 32, 132) == 8  # partials no larger than half the weight
-    assert pick_split_k(64, 4096, 32, 32, 132) == 2
+    assert pick_split_k(16, 4096, 32, 32, 132) == 16  # partials no larger than the weight
+    assert pick_split_k(64, 4096, 32, 32, 132) == 4
     assert pick_split_k(256, 4096, 64, 64, 132) == 1
 
 
