@@ -120,10 +120,32 @@ def _nibble(words, w12, j: tl.constexpr, e):
 
 
 @triton.jit
+def _load_opt(ptr, mask, other):
+    """tl.load with ``mask=None`` meaning no mask (the address is known to be valid)."""
+    if mask is None:
+        v = tl.load(ptr)
+    else:
+        v = tl.load(ptr, mask=mask, other=other)
+    return v
+
+
+@triton.jit
+def _group_of(k, group_size, GROUP_LOG2: tl.constexpr):
+    """The group of column k: a shift when the group size is a power of two (GROUP_LOG2 >= 0;
+    31 when one group spans K), else a division."""
+    if GROUP_LOG2 >= 0:
+        g = k >> GROUP_LOG2
+    else:
+        g = k // group_size
+    return g
+
+
+@triton.jit
 def _group_row(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, mask_n):
-    """Group g's scales (fp32) and zeros (int32) of the columns offs_n (0 where masked)."""
-    s = tl.load(s_ptr + g * stride_sg + offs_n, mask=mask_n, other=0.0).to(tl.float32)
-    z = tl.load(z_ptr + g * stride_zg + offs_n, mask=mask_n, other=0).to(tl.int32)
+    """Group g's scales (fp32) and zeros (int32) of the columns offs_n (0 where masked; mask_n
+    None: all valid)."""
+    s = _load_opt(s_ptr + g * stride_sg + offs_n, mask_n, 0.0).to(tl.float32)
+    z = _load_opt(z_ptr + g * stride_zg + offs_n, mask_n, 0).to(tl.int32)
     return s, z
 
 
@@ -137,37 +159,50 @@ def _load_words(rows, kw, mask_n, k_end, EVEN_K: tl.constexpr):
 
 
 @triton.jit
+def _load_words_clamped(rows, kw, k_end, EVEN_K: tl.constexpr):
+    """``_load_words`` for rows that all exist (clamped to N): no mask unless K has a partial k-block."""
+    if EVEN_K:
+        w = tl.load(rows + kw[None, :])
+    else:
+        w = tl.load(rows + kw[None, :], mask=(kw * 8 < k_end)[None, :], other=0)
+    return w
+
+
+@triton.jit
 def _x_load(x_ptr, perm_ptr, row, M, stride_xm, kw, mask_k, X_MODE: tl.constexpr):
     """The raw loads of x[row, 8 kw + c] for c = 0..7 (0 past K or for rows >= M), converted by
     ``_x_vals`` where they are used (so a k-block's loads can be issued one block ahead).
     X_MODE 0/1: bf16/fp16 pairs (four 32-bit loads per word column; the last four entries repeat
     them), 2: one load per value (fp32 activations), 3: gathered through ``perm`` (act-order)."""
-    mask = mask_k & (tl.zeros_like(kw) + row < M)  # (a tensor: the interpreter rejects scalar masks)
+    if mask_k is None:  # the caller knows every column and the row are valid
+        mask = None
+    else:
+        mask = mask_k & (tl.zeros_like(kw) + row < M)  # (a tensor: the interpreter rejects scalar masks)
     if X_MODE < 2:
         x32 = (x_ptr + row * stride_xm).to(tl.pointer_type(tl.int32)) + kw * 4
-        p0 = tl.load(x32, mask=mask, other=0)
-        p1 = tl.load(x32 + 1, mask=mask, other=0)
-        p2 = tl.load(x32 + 2, mask=mask, other=0)
-        p3 = tl.load(x32 + 3, mask=mask, other=0)
+        p0 = _load_opt(x32, mask, 0)
+        p1 = _load_opt(x32 + 1, mask, 0)
+        p2 = _load_opt(x32 + 2, mask, 0)
+        p3 = _load_opt(x32 + 3, mask, 0)
         raw = (p0, p1, p2, p3, p0, p1, p2, p3)
     elif X_MODE == 3:
         base = x_ptr + row * stride_xm
         k = kw * 8
-        raw = (tl.load(base + tl.load(perm_ptr + k, mask=mask_k, other=0), mask=mask, other=0.0),
-                tl.load(base + tl.load(perm_ptr + k + 1, mask=mask_k, other=0), mask=mask, other=0.0),
-                tl.load(base + tl.load(perm_ptr + k + 2, mask=mask_k, other=0), mask=mask, other=0.0),
-                tl.load(base + tl.load(perm_ptr + k + 3, mask=mask_k, other=0), mask=mask, other=0.0),
-                tl.load(base + tl.load(perm_ptr + k + 4, mask=mask_k, other=0), mask=mask, other=0.0),
-                tl.load(base + tl.load(perm_ptr + k + 5, mask=mask_k, other=0), mask=mask, other=0.0),
-                tl.load(base + tl.load(perm_ptr + k + 6, mask=mask_k, other=0), mask=mask, other=0.0),
-                tl.load(base + tl.load(perm_ptr + k + 7, mask=mask_k, other=0), mask=mask, other=0.0))
+        raw = (_load_opt(base + _load_opt(perm_ptr + k, mask_k, 0), mask, 0.0),
+                _load_opt(base + _load_opt(perm_ptr + k + 1, mask_k, 0), mask, 0.0),
+                _load_opt(base + _load_opt(perm_ptr + k + 2, mask_k, 0), mask, 0.0),
+                _load_opt(base + _load_opt(perm_ptr + k + 3, mask_k, 0), mask, 0.0),
+                _load_opt(base + _load_opt(perm_ptr + k + 4, mask_k, 0), mask, 0.0),
+                _load_opt(base + _load_opt(perm_ptr + k + 5, mask_k, 0), mask, 0.0),
+                _load_opt(base + _load_opt(perm_ptr + k + 6, mask_k, 0), mask, 0.0),
+                _load_opt(base + _load_opt(perm_ptr + k + 7, mask_k, 0), mask, 0.0))
     else:
         base = x_ptr + row * stride_xm
         k = kw * 8
-        raw = (tl.load(base + k, mask=mask, other=0.0), tl.load(base + k + 1, mask=mask, other=0.0),
-               tl.load(base + k + 2, mask=mask, other=0.0), tl.load(base + k + 3, mask=mask, other=0.0),
-               tl.load(base + k + 4, mask=mask, other=0.0), tl.load(base + k + 5, mask=mask, other=0.0),
-               tl.load(base + k + 6, mask=mask, other=0.0), tl.load(base + k + 7, mask=mask, other=0.0))
+        raw = (_load_opt(base + k, mask, 0.0), _load_opt(base + k + 1, mask, 0.0),
+               _load_opt(base + k + 2, mask, 0.0), _load_opt(base + k + 3, mask, 0.0),
+               _load_opt(base + k + 4, mask, 0.0), _load_opt(base + k + 5, mask, 0.0),
+               _load_opt(base + k + 6, mask, 0.0), _load_opt(base + k + 7, mask, 0.0))
     return raw
 
 
@@ -387,6 +422,7 @@ def _int4_gemv_kernel(
     BLOCK_M: tl.constexpr,  # 1, 2 or 4 activation rows per program
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides group_size (or G = 1): one scale row per k-block
+    GROUP_LOG2: tl.constexpr,  # see _group_of
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K (16-byte weight loads)
     PREFETCH: tl.constexpr,  # load the next k-block's words before using this one's
     X_MODE: tl.constexpr,  # see _x_load
@@ -401,38 +437,51 @@ def _int4_gemv_kernel(
     mask_n = offs_n < N
     offs_w = tl.arange(0, W)
     m0 = pid_m * BLOCK_M
-    rows = qw_ptr + offs_n.to(tl.int64)[:, None] * stride_qn
+    # rows past N read row N - 1 (their results are never stored): no load needs an N mask
+    offs_nc = tl.minimum(offs_n, N - 1)
+    rows = qw_ptr + offs_nc.to(tl.int64)[:, None] * stride_qn
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
+    k_last = k_start + (k_end - 1 - k_start) // BLOCK_K * BLOCK_K  # the slice's last k-block
     acc0 = tl.zeros((BLOCK_N, W), dtype=tl.float32)  # per output column and word column;
     acc1 = tl.zeros((BLOCK_N, W), dtype=tl.float32)  # the sum over W happens once, at the end
     acc2 = tl.zeros((BLOCK_N, W), dtype=tl.float32)
     acc3 = tl.zeros((BLOCK_N, W), dtype=tl.float32)
-    if PREFETCH:
-        words = _load_words(rows, tl.multiple_of(k_start // 8, W) + offs_w, mask_n, k_end, EVEN_K)
-    # the group's scale and zero rows (and with one activation row, its values) one k-block
-    # ahead: the k-block's arithmetic then waits on nothing but its weight words (the
-    # activations come from L2, but a round trip per k-block left every warp stalled on them;
-    # with more rows the registers are not there)
-    s_next, z_next = _group_row(s_ptr, z_ptr, k_start // group_size, stride_sg, stride_zg, offs_n, mask_n)
+    # The next k-block's loads are issued before this one's arithmetic: the group's scale and
+    # zero rows, the activations (one row; with more rows the registers are not there) and,
+    # with PREFETCH, the weight words. Each k-block's arithmetic then waits on nothing loaded in
+    # it (a round trip per k-block left every warp stalled, even on activations from L2). The
+    # last k-block "prefetches" itself again (cached; no mask): no load in the loop is masked
+    # unless K has a partial k-block.
     kw0 = tl.multiple_of(k_start // 8, W) + offs_w
-    xr0 = _x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw0, kw0 * 8 < k_end, X_MODE)
+    if PREFETCH:
+        words = _load_words_clamped(rows, kw0, k_end, EVEN_K)
+    s_next, z_next = _group_row(s_ptr, z_ptr, _group_of(k_start, group_size, GROUP_LOG2), stride_sg, stride_zg,
+                                offs_nc, None)
+    if EVEN_K:
+        xr0 = _x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw0, None, X_MODE)
+    else:
+        xr0 = _x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw0, kw0 * 8 < k_end, X_MODE)
     for k0 in range(k_start, k_end, BLOCK_K):
         kw = tl.multiple_of(k0 // 8, W) + offs_w
-        more = tl.zeros_like(offs_n) + k0 + BLOCK_K < k_end  # (uniform: keeps the 16-byte loads)
-        if PREFETCH:  # the next block's words are in flight while this one is computed
-            nxt = _load_words(rows, kw + W, mask_n & more, k_end, EVEN_K)
+        k_next = tl.minimum(k0 + BLOCK_K, k_last)
+        kw_next = tl.multiple_of(k_next // 8, W) + offs_w
+        if PREFETCH:
+            nxt = _load_words_clamped(rows, kw_next, k_end, EVEN_K)
         else:
-            words = _load_words(rows, kw, mask_n, k_end, EVEN_K)
+            words = _load_words_clamped(rows, kw, k_end, EVEN_K)
         s = s_next[:, None]
         z = z_next.to(tl.float32)[:, None]
-        s_next, z_next = _group_row(s_ptr, z_ptr, (k0 + BLOCK_K) // group_size, stride_sg, stride_zg, offs_n,
-                                    mask_n & more)
+        s_next, z_next = _group_row(s_ptr, z_ptr, _group_of(k_next, group_size, GROUP_LOG2), stride_sg, stride_zg,
+                                    offs_nc, None)
         w12 = words >> 12
         mask_k = kw * 8 < k_end
         if BLOCK_M == 1:
             xs = _x_vals(xr0, X_MODE)
-            xr0 = _x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw + W, (kw + W) * 8 < k_end, X_MODE)
+            if EVEN_K:
+                xr0 = _x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw_next, None, X_MODE)
+            else:
+                xr0 = _x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw_next, kw_next * 8 < k_end, X_MODE)
         else:
             xs = _x_vals(_x_load(x_ptr, perm_ptr, m0, M, stride_xm, kw, mask_k, X_MODE), X_MODE)
         acc0 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs)
@@ -490,6 +539,7 @@ def _int4_dot_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,  # divides group_size (or G = 1)
+    GROUP_LOG2: tl.constexpr,  # see _group_of
     EVEN_K: tl.constexpr,
     REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -518,13 +568,13 @@ def _int4_dot_kernel(
     k_end = tl.minimum(k_start + k_per_split, K)
     # the group's scales and zeros are one value per thread (too narrow for the pipeliner's
     # async copies): loaded one k-block ahead by hand, or every k-block waits out a DRAM trip
-    s_next, z_next = _group_row(s_ptr, z_ptr, k_start // group_size, stride_sg, stride_zg, offs_n, mask_n)
+    s_next, z_next = _group_row(s_ptr, z_ptr, _group_of(k_start, group_size, GROUP_LOG2), stride_sg, stride_zg, offs_n, mask_n)
     for k0 in range(k_start, k_end, BLOCK_K):
         s = s_next
         z_i = z_next
         z = z_i.to(tl.float32)
         more = tl.zeros_like(offs_n) + k0 + BLOCK_K < k_end
-        s_next, z_next = _group_row(s_ptr, z_ptr, (k0 + BLOCK_K) // group_size, stride_sg, stride_zg, offs_n,
+        s_next, z_next = _group_row(s_ptr, z_ptr, _group_of(k0 + BLOCK_K, group_size, GROUP_LOG2), stride_sg, stride_zg, offs_n,
                                     mask_n & more)
         kw = tl.multiple_of(k0 // 8, W) + offs_w
         words = _load_words(rows, kw, mask_n, k_end, EVEN_K)
@@ -634,6 +684,13 @@ def pick_split_k(m: int, k: int, tiles: int, k_blocks: int, sms: int, programs_p
     (written and read back: 8 * splits * M * N bytes) at most the weight's K * N / 2 bytes."""
     cap = min(32, k_blocks, max(1, k // (16 * max(1, m))))
     return max(1, min((programs_per_sm * sms) // tiles, cap))  # at most one wave: no straggler tail
+
+
+def _group_log2(group_size: int, k: int) -> int:
+    """The kernels' GROUP_LOG2: 31 for one group over K, log2 of a power-of-two group size, else -1."""
+    if group_size >= k:
+        return 31
+    return group_size.bit_length() - 1 if pow2_factor(group_size) == group_size else -1
 
 
 def pow2_factor(v: int) -> int:
@@ -807,8 +864,8 @@ def int4_gemm(
             m, n, k, group_size, plan.k_per_split, plan.splits,
             x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
             *_EXPONENT_BITS,
-            BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.block_k == 0,
-            PREFETCH=cfg.num_stages > 1, X_MODE=x_mode, REDUCE=reduce, HAS_BIAS=bias is not None,
+            BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_LOG2=_group_log2(group_size, k),
+            EVEN_K=k % plan.block_k == 0, PREFETCH=cfg.num_stages > 1, X_MODE=x_mode, REDUCE=reduce, HAS_BIAS=bias is not None,
             num_warps=cfg.num_warps, num_stages=1,
         )
     else:
@@ -819,8 +876,8 @@ def int4_gemm(
             m, n, k, group_size, plan.k_per_split, plan.splits,
             x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
             *_EXPONENT_BITS,
-            BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, EVEN_K=k % plan.block_k == 0,
-            REDUCE=reduce, HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, SCALE_AFTER=plan.scale_after,
+            BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_LOG2=_group_log2(group_size, k),
+            EVEN_K=k % plan.block_k == 0, REDUCE=reduce, HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, SCALE_AFTER=plan.scale_after,
             DOT_DTYPE=dot_dtype(x.dtype), IEEE=x.dtype == torch.float32,
             PAIRS=_pairs_ok(cfg, plan, x.dtype, scales.dtype),
             num_warps=cfg.num_warps, num_stages=cfg.num_stages,
