@@ -701,8 +701,8 @@ def pow2_factor(v: int) -> int:
 def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
     """The launch configuration for an [m, k] x [k, n] product (split-K left to ``pick_split_k``).
 
-    One row: the FMA GEMV, 8 output columns per thread, the next k-block's words in flight
-    (~4.4 instructions per nibble in the sm_90 SASS, 250 registers). More rows: tensor cores,
+    One row: the FMA GEMV, 4 output columns x 4 words per thread, the next k-block's words in
+    flight (~4 instructions per nibble in the sm_90 SASS). More rows: tensor cores,
     W^T x^T while the tokens fit the MMA's N side (paired dequantization, ~3 instructions per
     nibble with everything else, flat in M), x W with 128-row tiles beyond 64 tokens.
     ``bench quant --sweep`` times these against the alternatives on the GPU."""
@@ -712,7 +712,7 @@ def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
         return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
     # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth session)
     if m == 1:
-        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2, num_stages=2)
+        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=4, num_stages=2)
     if m <= 16:
         return Int4Config("dot", block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
     if m <= 32:
