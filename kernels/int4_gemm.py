@@ -698,7 +698,7 @@ def pow2_factor(v: int) -> int:
     return v & -v
 
 
-def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
+def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = False) -> Int4Config:
     """The launch configuration for an [m, k] x [k, n] product (split-K left to ``pick_split_k``).
 
     One row: the FMA GEMV, 4 output columns x 4 words per thread, the next k-block's words in
@@ -712,7 +712,9 @@ def default_config(m: int, n: int, k: int, group_size: int) -> Int4Config:
         return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
     # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth session)
     if m == 1:
-        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=4, num_stages=2)
+        # act-order gathers the activations in the kernel: two warps (half the gathers per weight)
+        return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2 if act_order else 4,
+                          num_stages=2)
     if m <= 16:
         return Int4Config("dot", block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
     if m <= 32:
@@ -838,6 +840,8 @@ def int4_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    if config is None and perm is not None:
+        config = default_config(m, n, k, group_size, act_order=True)
     if split_k is not None:
         config = replace(config or default_config(m, n, k, group_size), split_k=split_k)
     plan = _plan(m, n, k, group_size, _device_index(x.device), config)

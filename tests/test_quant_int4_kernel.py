@@ -207,6 +207,9 @@ def test_default_config_paths():
         assert mod.default_config(1, 4096, 4096, 128).path == "gemv"
         assert {mod.default_config(m, 4096, 4096, 128).path for m in (7, 16, 64, 256)} == {"dot"}
         assert mod.default_config(16, 4096, 4096, 128).swap_ab  # few tokens: the weight tile is MMA-M
+        # act-order's in-kernel gather: two warps (four doubled its time on the H200)
+        assert mod.default_config(1, 4096, 4096, 128, act_order=True).num_warps == 2
+        assert mod.default_config(1, 4096, 4096, 128).num_warps == 4
     finally:
         del mod.interpreting
         from paged_backend.kernels._launch import interpreting
