@@ -73,7 +73,7 @@ class Int4Config:
     block_k: int = 128  # k per step; capped at the group size's largest power-of-two factor
     split_k: int | None = None
     num_warps: int = 4
-    num_stages: int = 2  # dot: software pipeline depth; gemv: >= 2 prefetches the next k-block
+    num_stages: int = 2  # dot: software pipeline depth; gemv: 2 / 3 load words 1 / 2 k-blocks ahead
     reduce: str = "last"  # split-K: "last" program sums the partials, or a "kernel" after
     swap_ab: bool = False  # dot path: y^T = W^T x^T
     gather_x: bool = True  # gemv path with act-order: gather x through perm in the kernel (else index_select)
@@ -424,7 +424,7 @@ def _int4_gemv_kernel(
     BLOCK_K: tl.constexpr,  # divides group_size (or G = 1): one scale row per k-block
     GROUP_LOG2: tl.constexpr,  # see _group_of
     EVEN_K: tl.constexpr,  # K % BLOCK_K == 0: no masks along K (16-byte weight loads)
-    PREFETCH: tl.constexpr,  # load the next k-block's words before using this one's
+    PREFETCH: tl.constexpr,  # k-blocks of weight words loaded ahead of their use: 0, 1 or 2
     X_MODE: tl.constexpr,  # see _x_load
     REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -454,8 +454,11 @@ def _int4_gemv_kernel(
     # last k-block "prefetches" itself again (cached; no mask): no load in the loop is masked
     # unless K has a partial k-block.
     kw0 = tl.multiple_of(k_start // 8, W) + offs_w
-    if PREFETCH:
+    if PREFETCH > 0:
         words = _load_words_clamped(rows, kw0, k_end, EVEN_K)
+    if PREFETCH > 1:
+        words1 = _load_words_clamped(rows, tl.multiple_of(tl.minimum(k_start + BLOCK_K, k_last) // 8, W) + offs_w,
+                                     k_end, EVEN_K)
     s_next, z_next = _group_row(s_ptr, z_ptr, _group_of(k_start, group_size, GROUP_LOG2), stride_sg, stride_zg,
                                 offs_nc, None)
     if EVEN_K:
@@ -466,8 +469,11 @@ def _int4_gemv_kernel(
         kw = tl.multiple_of(k0 // 8, W) + offs_w
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
         kw_next = tl.multiple_of(k_next // 8, W) + offs_w
-        if PREFETCH:
+        if PREFETCH == 1:
             nxt = _load_words_clamped(rows, kw_next, k_end, EVEN_K)
+        elif PREFETCH == 2:
+            kw_after = tl.multiple_of(tl.minimum(k0 + 2 * BLOCK_K, k_last) // 8, W) + offs_w
+            nxt = _load_words_clamped(rows, kw_after, k_end, EVEN_K)
         else:
             words = _load_words_clamped(rows, kw, k_end, EVEN_K)
         s = s_next[:, None]
@@ -493,8 +499,11 @@ def _int4_gemv_kernel(
             acc2 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs)
             xs = _x_vals(_x_load(x_ptr, perm_ptr, m0 + 3, M, stride_xm, kw, mask_k, X_MODE), X_MODE)
             acc3 += _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs)
-        if PREFETCH:
+        if PREFETCH == 1:
             words = nxt
+        elif PREFETCH == 2:
+            words = words1
+            words1 = nxt
     offs_m = m0 + tl.arange(0, BLOCK_M)
     sel = tl.arange(0, BLOCK_M)[:, None]
     y = tl.where(sel == 0, tl.sum(acc0, axis=1)[None, :], 0.0)
@@ -869,7 +878,7 @@ def int4_gemm(
             x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
             *_EXPONENT_BITS,
             BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_LOG2=_group_log2(group_size, k),
-            EVEN_K=k % plan.block_k == 0, PREFETCH=cfg.num_stages > 1, X_MODE=x_mode, REDUCE=reduce, HAS_BIAS=bias is not None,
+            EVEN_K=k % plan.block_k == 0, PREFETCH=min(cfg.num_stages - 1, 2), X_MODE=x_mode, REDUCE=reduce, HAS_BIAS=bias is not None,
             num_warps=cfg.num_warps, num_stages=1,
         )
     else:

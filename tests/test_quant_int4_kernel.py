@@ -140,6 +140,8 @@ VARIANTS = [
     (dict(path="gemv", block_m=4, block_n=16, block_k=64, num_stages=2), -1, False, torch.float32, 5),
     (dict(path="gemv", block_m=1, block_n=32, block_k=64, gather_x=False), 64, True, torch.float16, 1),
     (dict(path="gemv", block_m=1, block_n=32, block_k=32, num_stages=1), 64, True, torch.bfloat16, 1),
+    (dict(path="gemv", block_m=1, block_n=32, block_k=32, num_stages=3, split_k=2), 32, False, torch.float16, 1),
+    (dict(path="gemv", block_m=1, block_n=32, block_k=32, split_k=2), 64, False, torch.bfloat16, 1),
     # tensor cores: x W or W^T x^T, scale after or before the dot
     (dict(path="dot", block_m=16, block_n=32, block_k=32), 32, True, torch.float16, 5),
     (dict(path="dot", block_m=16, block_n=16, block_k=64, swap_ab=True), 64, False, torch.bfloat16, 9),
@@ -183,6 +185,10 @@ def test_uneven_k_and_a_group_size_without_16_row_blocks():
     _check(5, 96, 24, -1, False, torch.float16, config=_cfg(path="dot", block_m=16, block_n=16, block_k=64))
     _check(3, 96, 24, -1, True, torch.bfloat16, config=_cfg(path="gemv", block_m=4, block_n=16, block_k=64))
     _check(6, 120, 24, 40, True, torch.float16, config=_cfg(path="dot", block_m=16, block_n=16, block_k=32))
+    for stages in (2, 3):  # one row: the activations and words loaded ahead, masked at the tail
+        _check(1, 96, 24, -1, True, torch.bfloat16,
+               config=_cfg(path="gemv", block_m=1, block_n=16, block_k=64, split_k=1, num_stages=stages))
+    _check(1, 120, 24, 40, False, torch.float16, config=_cfg(path="gemv", block_m=1, block_n=16, block_k=8))
 
 
 def test_pick_split_k():
