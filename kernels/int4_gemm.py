@@ -151,21 +151,19 @@ def _group_row(s_ptr, z_ptr, g, stride_sg, stride_zg, offs_n, mask_n):
 
 @triton.jit
 def _load_words(rows, kw, mask_n, k_end, EVEN_K: tl.constexpr):
-    """int32 [BN, W] words ``kw`` of the rows (0 outside N / past k_end); EVEN_K: no K mask, so
-    every row's W words are 16-byte loads."""
+    """int32 [BN, W] words ``kw`` of the rows (0 outside N / past k_end; ``mask_n`` None: every
+    row exists, e.g. clamped to N); EVEN_K: no K mask, so every row's W words are 16-byte loads."""
     if EVEN_K:
-        return tl.load(rows + kw[None, :], mask=mask_n[:, None], other=0)
-    return tl.load(rows + kw[None, :], mask=mask_n[:, None] & (kw * 8 < k_end)[None, :], other=0)
-
-
-@triton.jit
-def _load_words_clamped(rows, kw, k_end, EVEN_K: tl.constexpr):
-    """``_load_words`` for rows that all exist (clamped to N): no mask unless K has a partial k-block."""
-    if EVEN_K:
-        w = tl.load(rows + kw[None, :])
+        if mask_n is None:
+            mask = None
+        else:
+            mask = mask_n[:, None]
     else:
-        w = tl.load(rows + kw[None, :], mask=(kw * 8 < k_end)[None, :], other=0)
-    return w
+        if mask_n is None:
+            mask = (kw * 8 < k_end)[None, :]
+        else:
+            mask = mask_n[:, None] & (kw * 8 < k_end)[None, :]
+    return _load_opt(rows + kw[None, :], mask, 0)
 
 
 @triton.jit
@@ -455,10 +453,10 @@ def _int4_gemv_kernel(
     # unless K has a partial k-block.
     kw0 = tl.multiple_of(k_start // 8, W) + offs_w
     if PREFETCH > 0:
-        words = _load_words_clamped(rows, kw0, k_end, EVEN_K)
+        words = _load_words(rows, kw0, None, k_end, EVEN_K)
     if PREFETCH > 1:
-        words1 = _load_words_clamped(rows, tl.multiple_of(tl.minimum(k_start + BLOCK_K, k_last) // 8, W) + offs_w,
-                                     k_end, EVEN_K)
+        words1 = _load_words(rows, tl.multiple_of(tl.minimum(k_start + BLOCK_K, k_last) // 8, W) + offs_w, None,
+                             k_end, EVEN_K)
     s_next, z_next = _group_row(s_ptr, z_ptr, _group_of(k_start, group_size, GROUP_LOG2), stride_sg, stride_zg,
                                 offs_nc, None)
     if EVEN_K:
@@ -470,12 +468,12 @@ def _int4_gemv_kernel(
         k_next = tl.minimum(k0 + BLOCK_K, k_last)
         kw_next = tl.multiple_of(k_next // 8, W) + offs_w
         if PREFETCH == 1:
-            nxt = _load_words_clamped(rows, kw_next, k_end, EVEN_K)
+            nxt = _load_words(rows, kw_next, None, k_end, EVEN_K)
         elif PREFETCH == 2:
             kw_after = tl.multiple_of(tl.minimum(k0 + 2 * BLOCK_K, k_last) // 8, W) + offs_w
-            nxt = _load_words_clamped(rows, kw_after, k_end, EVEN_K)
+            nxt = _load_words(rows, kw_after, None, k_end, EVEN_K)
         else:
-            words = _load_words_clamped(rows, kw, k_end, EVEN_K)
+            words = _load_words(rows, kw, None, k_end, EVEN_K)
         s = s_next[:, None]
         z = z_next.to(tl.float32)[:, None]
         s_next, z_next = _group_row(s_ptr, z_ptr, _group_of(k_next, group_size, GROUP_LOG2), stride_sg, stride_zg,
@@ -749,8 +747,9 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=4096)
-def _plan(m: int, n: int, k: int, group_size: int, device_index: int | None, config: Int4Config | None) -> Plan:
-    cfg = config or default_config(m, n, k, group_size)
+def _plan(m: int, n: int, k: int, group_size: int, device_index: int | None, config: Int4Config | None,
+          act_order: bool = False) -> Plan:
+    cfg = config or default_config(m, n, k, group_size, act_order)
     aligned = group_size >= k  # one group: any k-block lies in it
     block_k = cfg.block_k if aligned else min(cfg.block_k, pow2_factor(group_size))
     path = cfg.path
@@ -849,11 +848,9 @@ def int4_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
-    if config is None and perm is not None:
-        config = default_config(m, n, k, group_size, act_order=True)
     if split_k is not None:
-        config = replace(config or default_config(m, n, k, group_size), split_k=split_k)
-    plan = _plan(m, n, k, group_size, _device_index(x.device), config)
+        config = replace(config or default_config(m, n, k, group_size, perm is not None), split_k=split_k)
+    plan = _plan(m, n, k, group_size, _device_index(x.device), config, perm is not None)
     cfg = plan.cfg
     reduce = plan.reduce
     tickets = None

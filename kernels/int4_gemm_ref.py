@@ -27,12 +27,12 @@ from __future__ import annotations
 import torch
 
 PACK = 8  # int4 values per int32
-_SHIFTS = torch.arange(PACK, dtype=torch.int32) * 4
 KERNEL_NIBBLE = (0, 4, 1, 5, 2, 6, 3, 7)  # kernel layout: column c of a word sits in nibble KERNEL_NIBBLE[c]
+_PLAIN = tuple(range(PACK))  # GPTQ's order: row 8r + j in nibble j
 
 
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """int [K, N] values 0..15 -> int32 [K/8, N], eight consecutive rows per word (low nibble first)."""
+def _pack(q: torch.Tensor, nibble: tuple[int, ...]) -> torch.Tensor:
+    """int [K, N] values 0..15 -> int32 [K/8, N]: row 8r + c of q in nibble ``nibble[c]`` of word r."""
     k, n = q.shape
     if k % PACK:
         raise ValueError(f"pack_int4: K={k} is not a multiple of {PACK}")
@@ -40,37 +40,37 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
         raise ValueError("pack_int4: values must lie in 0..15")
     q = q.to(torch.int32).reshape(k // PACK, PACK, n)
     packed = torch.zeros(k // PACK, n, dtype=torch.int32, device=q.device)
-    for j in range(PACK):
-        packed |= q[:, j, :] << (4 * j)
+    for c in range(PACK):
+        packed |= q[:, c, :] << (4 * nibble[c])
     return packed
 
 
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """int32 [K/8, N] -> uint8 [K, N] (inverse of ``pack_int4``)."""
+def _unpack(qweight: torch.Tensor, nibble: tuple[int, ...]) -> torch.Tensor:
+    """int32 [K/8, N] -> uint8 [K, N] (inverse of ``_pack`` with the same ``nibble``)."""
     r, n = qweight.shape
-    shifts = _SHIFTS.to(qweight.device).view(1, PACK, 1)
+    shifts = torch.tensor([4 * j for j in nibble], dtype=torch.int32, device=qweight.device).view(1, PACK, 1)
     q = (qweight.unsqueeze(1) >> shifts) & 0xF
     return q.reshape(r * PACK, n).to(torch.uint8)
 
 
-def _kernel_order(k: int) -> torch.Tensor:
-    """Row order that ``pack_int4`` turns into the kernel's nibble order: nibble j of word r
-    takes row 8r + c where KERNEL_NIBBLE[c] = j."""
-    col_of_nibble = torch.tensor(KERNEL_NIBBLE).argsort()
-    return (torch.arange(0, k, PACK).view(-1, 1) + col_of_nibble.view(1, -1)).reshape(-1)
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """int [K, N] values 0..15 -> int32 [K/8, N], eight consecutive rows per word (low nibble first)."""
+    return _pack(q, _PLAIN)
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """int32 [K/8, N] -> uint8 [K, N] (inverse of ``pack_int4``)."""
+    return _unpack(qweight, _PLAIN)
 
 
 def pack_int4_kernel(q: torch.Tensor) -> torch.Tensor:
     """int [K, N] values 0..15 -> the kernel's int32 [N, K/8] (contiguous)."""
-    if q.shape[0] % PACK:
-        raise ValueError(f"pack_int4: K={q.shape[0]} is not a multiple of {PACK}")
-    return pack_int4(q[_kernel_order(q.shape[0]).to(q.device)]).t().contiguous()
+    return _pack(q, KERNEL_NIBBLE).t().contiguous()
 
 
 def unpack_int4_kernel(qweight: torch.Tensor) -> torch.Tensor:
     """The kernel's int32 [N, K/8] -> uint8 [K, N] (inverse of ``pack_int4_kernel``)."""
-    q = unpack_int4(qweight.t())
-    return q[_kernel_order(q.shape[0]).argsort().to(q.device)]
+    return _unpack(qweight.t(), KERNEL_NIBBLE)
 
 
 def compact_scales(scales: torch.Tensor) -> torch.Tensor:

@@ -253,7 +253,7 @@ class QuantBench:
         counts), a config is a sweep candidate (returned, dropped when wrong or failing),
         ``legacy`` the previous kernel with its default (recorded)."""
         from paged_backend.kernels import int4_gemm_legacy
-        from paged_backend.kernels.int4_gemm import _device_index, _plan, default_config, int4_gemm
+        from paged_backend.kernels.int4_gemm import _device_index, _plan, int4_gemm
 
         variant = variant or ("int4 act-order" if act_order else "int4")
         name = f"{variant} {k}x{n} M={m}" + (f" [{config.label()}]" if config else "")
@@ -283,9 +283,8 @@ class QuantBench:
         if legacy:
             label = f"legacy {int4_gemm_legacy.default_config(m, n, k, w0.group_size).label()}"
         else:
-            cfg = config or default_config(m, n, k, k if w0.group_size == -1 else w0.group_size,
-                                           act_order=w0.perm is not None)
-            plan = _plan(m, n, k, w0.group_size, _device_index(x.device), cfg)
+            gs = k if w0.group_size == -1 else w0.group_size  # as the launcher passes it
+            plan = _plan(m, n, k, gs, _device_index(x.device), config, w0.perm is not None)
             label = f"{plan.cfg.label()} -> split {plan.splits}"
         row = dict(kind="int4", variant=variant, K=k, N=n, M=m, us=us, weight_GBps=w0.nbytes / (us * 1e3),
                    speedup=bf16_us / us, config=label, act_order=act_order)
