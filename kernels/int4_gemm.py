@@ -2,8 +2,8 @@
 
 Weights in the kernel layout of ``int4_gemm_ref``: int32 [N, K/8] (each output column's nibbles
 contiguous along K), per-group scales [G, N] and uint8 zeros [G, N], optional act-order
-permutation ``perm`` of the activation columns (sorted at load, so groups are contiguous). Two
-kernels, chosen by ``Int4Config.path`` (``default_config`` picks it from M):
+permutation ``perm`` of the activation columns (sorted at load, so groups are contiguous). Three
+kernels, chosen by ``Int4Config.path`` (``default_config`` picks it from M and the activations):
 
 ``gemv`` (decode, one to four rows): no tensor cores. A program owns BLOCK_N output columns and
 one of ``split_k`` slices of K; per k-block (inside one group) it loads the [BLOCK_N, BLOCK_K/8]
@@ -35,7 +35,18 @@ is the MMA's M side and a few tokens fill its N side. The group's scale and zero
 narrow for the pipeliner's async copies) are loaded one k-block ahead by hand. Act-order: one
 ``x.index_select(1, perm)`` before the launch.
 
-Split-K (both paths), ``Int4Config.reduce``:
+``mma`` (decode, up to 8 rows; GPU, bf16/fp16 activations, groups of whole 128-k blocks): tensor
+cores through inline PTX, with every lane's data placed by hand. Each tensor is one element per
+thread (element r = lane r % 32 of warp r // 32), so the lane (g, c) of an m16n8k16 MMA loads
+(``ld.global.nc.v4``) words 4c .. 4c + 3 of the k-block for output columns g and g + 8 of its
+warp's 16, and the same four words' x pairs of activation row g. Word pairs i (bits 4i and
+16 + 4i) become A fragments with a shift, a LOP3 and a paired subtract (exact q - z, as in the dot
+path), two MMAs per word (A's k order is the lanes' word order; B, x, follows it); C (16 columns
+x 8 rows, fp32) takes the group scale after each k-block. ~1.4 dequantization instructions per
+weight nibble, no shared memory, no layout conversion; 48-56 registers. The CPU interpreter
+cannot run it (tests on CUDA only); the GEMV is its fallback.
+
+Split-K (every path), ``Int4Config.reduce``:
 
 - ``last``: programs write fp32 partials; the last program of a tile to finish (an atomic
   ticket per tile) sums them in a fixed order, adds the bias, writes y and resets the ticket:
@@ -57,7 +68,7 @@ import triton
 import triton.language as tl
 from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tensor, dot_dtype, interpreting
 
-PATHS = ("gemv", "dot")
+PATHS = ("gemv", "dot", "mma")
 REDUCES = ("last", "kernel")
 TICKETS = 1 << 16  # split-K tickets per device (tiles per launch); larger grids use reduce="kernel"
 _EXPONENT_BITS = tuple((127 + p) << 23 for p in (23, 19, 15, 11, 7))  # float bits of 2^p (see _nibble)
@@ -67,7 +78,7 @@ _EXPONENT_BITS = tuple((127 + p) << 23 for p in (23, 19, 15, 11, 7))  # float bi
 class Int4Config:
     """One launch configuration (``split_k=None``: chosen from the grid by ``pick_split_k``)."""
 
-    path: str = "gemv"  # "gemv" (FMA, 1/2/4 rows per program) or "dot" (tensor cores)
+    path: str = "gemv"  # "gemv" (FMA, 1/2/4 rows per program), "dot" (tl.dot) or "mma" (GPU, <= 16 rows)
     block_m: int = 1  # activation rows per program
     block_n: int = 128  # output columns per program
     block_k: int = 128  # k per step; capped at the group size's largest power-of-two factor
@@ -79,6 +90,9 @@ class Int4Config:
     gather_x: bool = True  # gemv path with act-order: gather x through perm in the kernel (else index_select)
     scale_after: bool | None = None  # dot path; None: block_m < block_k
     pairs: bool = True  # dot path, GPU, bf16/fp16: dequantize two values per instruction
+    l2_ahead: int = 0  # mma path: each lane asks L2 for its weight words this many k-blocks ahead (0: never;
+    # -1: one bulk request per column for the program's whole K slice, at the start)
+    unroll: int = 1  # mma path: k-blocks per loop iteration (2: the second one's loads issued a block ahead)
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -93,6 +107,11 @@ class Int4Config:
             raise ValueError(f"Int4Config.block_k must be >= 8, got {self.block_k}")
         if self.path == "dot" and min(self.block_m, self.block_n, self.block_k) < 16:
             raise ValueError("Int4Config: the dot path needs block_m, block_n, block_k >= 16")
+        if self.path == "mma" and (self.block_m not in (8, 16) or self.block_k != 128
+                                   or self.block_n != 16 * self.num_warps or self.unroll not in (1, 2)
+                                   or self.l2_ahead < -1):
+            raise ValueError("Int4Config: the mma path takes block_m 8 or 16, block_k 128, "
+                             "block_n = 16 * num_warps, unroll 1 or 2 and l2_ahead >= -1")
 
     def label(self) -> str:
         sk = "auto" if self.split_k is None else str(self.split_k)
@@ -100,6 +119,8 @@ class Int4Config:
         if self.path == "dot":
             extra = (" swap" if self.swap_ab else "") + {None: "", True: " post", False: " pre"}[self.scale_after]
             extra += "" if self.pairs else " fp32dq"
+        if self.path == "mma":
+            extra = f" l2+{self.l2_ahead} u{self.unroll}"
         return (f"{self.path} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{sk} "
                 f"w{self.num_warps} s{self.num_stages} {self.reduce}{extra}")
 
@@ -349,6 +370,39 @@ def _dequant_tile_pairs(words, z, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexp
     # q_c is column c (8w + c): c = 4 * (innermost join) + 2 * (middle) + (outermost)
     planes = tl.join(tl.join(tl.join(q0, q4), tl.join(q2, q6)), tl.join(tl.join(q1, q5), tl.join(q3, q7)))
     return tl.reshape(planes, (BLOCK_N, BLOCK_K))
+
+
+def _mma_asm(bf16: bool, groups: int) -> str:
+    """PTX of one ``_int4_mma_kernel`` word step for one lane: lane (g, c) of a warp holds word w_A
+    of output column g and w_B of column g + 8 (the same 8 k), pairs i = bits 4i / 16 + 4i as in
+    ``_pairs_asm``: shift, LOP3 into the mantissas of 2^e, one paired subtract of 2^e + z (exact
+    q - z). Pairs 0, 1 then 2, 3 are one m16n8k16 MMA each (A = 16 columns x 16 k, its k order
+    being the lanes' words: any order works when B uses the same), B = the lane's x pairs of those
+    k for activation row g (+ 8q for group q), accumulating into C = 16 columns x 8 rows."""
+    magic, one, fma, ty = ((0x43004300, 0x3F803F80, "fma.rn.bf16x2", "bf16") if bf16
+                           else (0x64006400, 0x3C003C00, "fma.rn.f16x2", "f16"))
+    n_out = 4 * groups
+    w_a, w_b, nz_a, nz_b = (f"${2 * n_out + i}" for i in range(4))
+    x0 = 2 * n_out + 4
+    body = [f"mov.b32 one, {one:#x};"]
+    for i in range(4):
+        for src, nz, dst in ((w_a, nz_a, f"a{i}"), (w_b, nz_b, f"b{i}")):
+            if i:
+                body.append(f"shr.u32 t, {src}, {4 * i};")
+                src = "t"
+            body.append(f"lop3.b32 t, {src}, 0x000F000F, {magic:#x}, 0xEA;")
+            body.append(f"{fma} {dst}, t, one, {nz};")
+    for q in range(groups):
+        d = ", ".join(f"${4 * q + i}" for i in range(4))
+        body += [f"mov.b32 ${4 * q + i}, ${n_out + 4 * q + i};" for i in range(4)]
+        for p in (0, 2):
+            body.append(f"mma.sync.aligned.m16n8k16.row.col.f32.{ty}.{ty}.f32 {{{d}}}, "
+                        f"{{a{p}, b{p}, a{p + 1}, b{p + 1}}}, {{${x0 + 4 * q + p}, ${x0 + 4 * q + p + 1}}}, {{{d}}};")
+    return "{ .reg .b32 t, one, a0, a1, a2, a3, b0, b1, b2, b3; " + " ".join(body) + " }"
+
+
+def _mma_constraints(groups: int) -> str:
+    return ",".join(["=f"] * (4 * groups) + ["f"] * (4 * groups) + ["r"] * (4 + 4 * groups))
 
 
 @triton.jit
@@ -633,6 +687,239 @@ def _int4_dot_kernel(
               stride_ps, REDUCE, HAS_BIAS)
 
 
+_MMA_BF16_1 = tl.constexpr(_mma_asm(True, 1))
+_MMA_BF16_2 = tl.constexpr(_mma_asm(True, 2))
+_MMA_FP16_1 = tl.constexpr(_mma_asm(False, 1))
+_MMA_FP16_2 = tl.constexpr(_mma_asm(False, 2))
+_MMA_CONSTRAINTS_1 = tl.constexpr(_mma_constraints(1))
+_MMA_CONSTRAINTS_2 = tl.constexpr(_mma_constraints(2))
+
+
+@triton.jit
+def _ldg4(ptr):
+    """Four int32 from a 16-byte aligned address of each lane (``ld.global.nc.v4``): the lane
+    owns exactly these words, whatever layout Triton would give a [R, 4] load."""
+    return tl.inline_asm_elementwise("ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l", [ptr],
+                                     dtype=(tl.int32, tl.int32, tl.int32, tl.int32), is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_word(c, w_a, w_b, nz_a, nz_b, xq, j: tl.constexpr, GROUPS: tl.constexpr, BF16: tl.constexpr):
+    """One word step (``_mma_asm``) of every lane: C (4 fp32 per activation-row group) += the
+    lane's words ``j`` (of w_a / w_b) times its x pairs of those words."""
+    if BF16:
+        if GROUPS == 1:
+            asm: tl.constexpr = _MMA_BF16_1
+        else:
+            asm: tl.constexpr = _MMA_BF16_2
+    else:
+        if GROUPS == 1:
+            asm: tl.constexpr = _MMA_FP16_1
+        else:
+            asm: tl.constexpr = _MMA_FP16_2
+    if GROUPS == 1:
+        cons: tl.constexpr = _MMA_CONSTRAINTS_1
+        c0, c1, c2, c3 = c
+        x0 = xq[0]
+        out = tl.inline_asm_elementwise(
+            asm, cons, [c0, c1, c2, c3, w_a[j], w_b[j], nz_a, nz_b,
+                        x0[4 * j], x0[4 * j + 1], x0[4 * j + 2], x0[4 * j + 3]],
+            dtype=(tl.float32,) * 4, is_pure=False, pack=1)
+    else:
+        cons: tl.constexpr = _MMA_CONSTRAINTS_2
+        c0, c1, c2, c3, c4, c5, c6, c7 = c
+        x0 = xq[0]
+        x1 = xq[1]
+        out = tl.inline_asm_elementwise(
+            asm, cons, [c0, c1, c2, c3, c4, c5, c6, c7, w_a[j], w_b[j], nz_a, nz_b,
+                        x0[4 * j], x0[4 * j + 1], x0[4 * j + 2], x0[4 * j + 3],
+                        x1[4 * j], x1[4 * j + 1], x1[4 * j + 2], x1[4 * j + 3]],
+            dtype=(tl.float32,) * 8, is_pure=False, pack=1)
+    return out
+
+
+@triton.jit
+def _mma_x(x32, k0):
+    """The lane's 16 int32 of x (four words' bf16/fp16 pairs) for the k-block at k0."""
+    a0, a1, a2, a3 = _ldg4(x32 + k0 // 2)
+    b0, b1, b2, b3 = _ldg4(x32 + k0 // 2 + 4)
+    c0, c1, c2, c3 = _ldg4(x32 + k0 // 2 + 8)
+    d0, d1, d2, d3 = _ldg4(x32 + k0 // 2 + 12)
+    return (a0, a1, a2, a3, b0, b1, b2, b3, c0, c1, c2, c3, d0, d1, d2, d3)
+
+
+@triton.jit
+def _prefetch_l2(ptr):
+    """Asks L2 for the line of each lane's address (no register waits on it)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
+def _bulk_prefetch_l2(ptr, nbytes, on):
+    """Lanes with ``on`` ask L2 for ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.u32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
+        "=r,r,l,r", [on.to(tl.int32), ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb, k0, group_size, stride_sg, stride_zg,
+               GROUP_LOG2: tl.constexpr, GROUPS: tl.constexpr):
+    """Everything the k-block at k0 reads: the lane's two weight words x 4, its x pairs, and the
+    group's scales and zeros of its two columns."""
+    w_a = _ldg4(wa_ptr + k0 // 8)
+    w_b = _ldg4(wb_ptr + k0 // 8)
+    if GROUPS == 1:
+        xq = (_mma_x(x0_ptr, k0),)
+    else:
+        xq = (_mma_x(x0_ptr, k0), _mma_x(x1_ptr, k0))
+    grp = _group_of(k0, group_size, GROUP_LOG2)
+    sa, za = _group_row(s_ptr, z_ptr, grp, stride_sg, stride_zg, ca, None)
+    sb, zb = _group_row(s_ptr, z_ptr, grp, stride_sg, stride_zg, cb, None)
+    return w_a, w_b, xq, sa, sb, za, zb
+
+
+@triton.jit
+def _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS: tl.constexpr, BF16: tl.constexpr):
+    """acc (4 fp32 per activation-row group) += one k-block: the exact integer products of the
+    lane's words (``_mma_word`` x 4), times the group's scale of each C row (column a / b)."""
+    if BF16:
+        nz_a = (za | 0xC300) * 0x10001  # -(128 + z) in both bf16 halves
+        nz_b = (zb | 0xC300) * 0x10001
+    else:
+        nz_a = (za | 0xE400) * 0x10001  # -(1024 + z) in both fp16 halves
+        nz_b = (zb | 0xE400) * 0x10001
+    zero = tl.zeros_like(sa)
+    if GROUPS == 1:
+        t = (zero, zero, zero, zero)
+    else:
+        t = (zero, zero, zero, zero, zero, zero, zero, zero)
+    t = _mma_word(t, w_a, w_b, nz_a, nz_b, xq, 0, GROUPS, BF16)
+    t = _mma_word(t, w_a, w_b, nz_a, nz_b, xq, 1, GROUPS, BF16)
+    t = _mma_word(t, w_a, w_b, nz_a, nz_b, xq, 2, GROUPS, BF16)
+    t = _mma_word(t, w_a, w_b, nz_a, nz_b, xq, 3, GROUPS, BF16)
+    if GROUPS == 1:
+        out = (acc[0] + t[0] * sa, acc[1] + t[1] * sa, acc[2] + t[2] * sb, acc[3] + t[3] * sb)
+    else:
+        out = (acc[0] + t[0] * sa, acc[1] + t[1] * sa, acc[2] + t[2] * sb, acc[3] + t[3] * sb,
+               acc[4] + t[4] * sa, acc[5] + t[5] * sa, acc[6] + t[6] * sb, acc[7] + t[7] * sb)
+    return out
+
+
+@triton.jit
+def _int4_mma_kernel(
+    x_ptr,  # [M, K] bf16/fp16, rows 16-byte aligned (already permuted for act-order)
+    qw_ptr,  # int32 [N, K/8]
+    s_ptr,  # [G, N]
+    z_ptr,  # uint8 [G, N]
+    bias_ptr,  # [N] (unused without HAS_BIAS)
+    out_ptr,  # [M, N]
+    part_ptr,  # fp32 [splits, M, N] (REDUCE > 0)
+    ticket_ptr,  # int32 [m_tiles * n_tiles] (REDUCE 2)
+    M,
+    N,
+    K,  # multiple of 128
+    group_size,  # multiple of 128, or K
+    k_per_split,  # multiple of 128
+    splits,
+    stride_xm,
+    stride_qn,
+    stride_sg,
+    stride_zg,
+    stride_ps,
+    WARPS: tl.constexpr,  # = num_warps; a program owns 16 output columns per warp
+    GROUPS: tl.constexpr,  # activation rows / 8 (1 or 2)
+    GROUP_LOG2: tl.constexpr,  # see _group_of
+    PF: tl.constexpr,  # weight words asked of L2 this many k-blocks ahead (0: never)
+    UNROLL: tl.constexpr,  # 1, or 2: k-blocks per iteration (the second's loads in other registers)
+    REDUCE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BF16: tl.constexpr,
+):
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    pid_m = tl.program_id(2)
+    R: tl.constexpr = 32 * WARPS
+    r = tl.arange(0, R)  # one element per thread: element r is lane r % 32 of warp r // 32
+    lane = r % 32
+    g = lane // 4  # the MMA's group: output columns g, g + 8 (A rows) and activation row g (B column)
+    c = lane % 4  # the MMA's thread in group: words 4c .. 4c + 3 of every k-block (A/B k order)
+    col_a = pid_n * (16 * WARPS) + (r // 32) * 16 + g
+    col_b = col_a + 8
+    ca = tl.minimum(col_a, N - 1)  # rows past N read row N - 1 (never stored)
+    cb = tl.minimum(col_b, N - 1)
+    wa_ptr = qw_ptr + ca.to(tl.int64) * stride_qn + c * 4
+    wb_ptr = qw_ptr + cb.to(tl.int64) * stride_qn + c * 4
+    m0 = pid_m * (8 * GROUPS)
+    row0 = tl.minimum(m0 + g, M - 1)  # rows past M repeat row M - 1 (their columns of C are never stored)
+    x0_ptr = (x_ptr + row0.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32)) + c * 16
+    row1 = tl.minimum(m0 + 8 + g, M - 1)
+    x1_ptr = (x_ptr + row1.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32)) + c * 16
+    k_start = pid_k * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    k_last = k_end - 128
+    zero = tl.zeros((R,), dtype=tl.float32)
+    if GROUPS == 1:
+        acc = (zero, zero, zero, zero)
+    else:
+        acc = (zero, zero, zero, zero, zero, zero, zero, zero)
+    if PF < 0:  # the program's whole slice of its columns, one bulk request per column
+        first = tl.where(c == 0, wa_ptr, wb_ptr - 4) - c * 4 + k_start // 8
+        _bulk_prefetch_l2(first, tl.zeros_like(c) + (k_end - k_start) // 2, c < 2)
+    if PF > 0:
+        for i in tl.static_range(PF):
+            kp = tl.minimum(k_start + i * 128, k_last) // 8
+            _prefetch_l2(wa_ptr + kp)
+            _prefetch_l2(wb_ptr + kp)
+    # everything a k-block reads is loaded one k-block ahead (the last re-reads itself)
+    w_a, w_b, xq, sa, sb, za, zb = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb, k_start,
+                                              group_size, stride_sg, stride_zg, GROUP_LOG2, GROUPS)
+    for k0 in range(k_start, k_end, 128 * UNROLL):
+        if PF > 0:
+            for i in tl.static_range(UNROLL):
+                kp = tl.minimum(k0 + (PF + i) * 128, k_last) // 8
+                _prefetch_l2(wa_ptr + kp)
+                _prefetch_l2(wb_ptr + kp)
+        if UNROLL == 2:
+            # the second k-block's loads go to registers of their own, so they are issued here,
+            # a k-block ahead of their use; past the slice's end it repeats the last block, scale 0
+            k1 = tl.minimum(k0 + 128, k_last)
+            w_a1, w_b1, xq1, sa1, sb1, za1, zb1 = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb,
+                                                             k1, group_size, stride_sg, stride_zg, GROUP_LOG2, GROUPS)
+            live = k0 + 128 < k_end
+            sa1 = tl.where(live, sa1, 0.0)
+            sb1 = tl.where(live, sb1, 0.0)
+        # (the asm statements are not pure: the compiler keeps this order, loads before the MMAs
+        # that do not need them, in registers of their own)
+        k_next = tl.minimum(k0 + 128 * UNROLL, k_last)
+        if UNROLL == 1:
+            w_a1, w_b1, xq1, sa1, sb1, za1, zb1 = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb,
+                                                             k_next, group_size, stride_sg, stride_zg, GROUP_LOG2,
+                                                             GROUPS)
+            acc = _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS, BF16)
+            w_a, w_b, xq, sa, sb, za, zb = w_a1, w_b1, xq1, sa1, sb1, za1, zb1
+        else:
+            acc = _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS, BF16)
+            w_a, w_b, xq, sa, sb, za, zb = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb, k_next,
+                                                      group_size, stride_sg, stride_zg, GROUP_LOG2, GROUPS)
+            acc = _mma_block(acc, w_a1, w_b1, xq1, sa1, sb1, za1, zb1, GROUPS, BF16)
+    # C of group q: c0, c1 = (column a, rows 8q + 2c, 8q + 2c + 1), c2, c3 = the same of column b
+    two = tl.arange(0, 2)
+    m_off = (m0 + 2 * c)[:, None, None] + two[None, :, None]
+    n_off = col_a[:, None, None] + 8 * two[None, None, :]
+    y = tl.join(tl.join(acc[0], acc[1]), tl.join(acc[2], acc[3]))
+    if GROUPS == 2:
+        y = tl.join(y, tl.join(tl.join(acc[4], acc[5]), tl.join(acc[6], acc[7])))
+        m_off = m_off[:, :, :, None] + 8 * two[None, None, None, :]
+        n_off = n_off[:, :, :, None] + 0 * two[None, None, None, :]
+    offs = m_off.to(tl.int64) * N + n_off
+    mask = (m_off < M) & (n_off < N)
+    tile = pid_m * tl.num_programs(0) + pid_n
+    _epilogue(y, offs, mask, n_off, out_ptr, part_ptr, ticket_ptr, bias_ptr, tile, pid_k, splits,
+              stride_ps, REDUCE, HAS_BIAS)
+
+
 @triton.jit
 def _split_k_reduce_kernel(
     part_ptr,  # fp32 [S, M*N]
@@ -705,7 +992,13 @@ def pow2_factor(v: int) -> int:
     return v & -v
 
 
-def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = False) -> Int4Config:
+def mma_fits(m: int, k: int, group_size: int) -> bool:
+    """The mma path's shapes: up to 16 rows, whole 128-k blocks, each inside one group."""
+    return m <= 16 and k % 128 == 0 and (group_size % 128 == 0 or group_size >= k)
+
+
+def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = False,
+                   mma_ok: bool = False) -> Int4Config:
     """The launch configuration for an [m, k] x [k, n] product (split-K left to ``pick_split_k``).
 
     One row: the FMA GEMV, 4 output columns x 4 words per thread, the next k-block's words in
@@ -717,6 +1010,8 @@ def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = Fa
         if m <= 4:
             return Int4Config("gemv", block_m=triton.next_power_of_2(m), block_n=32, block_k=32, num_stages=1)
         return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
+    if mma_ok and m <= 8 and mma_fits(m, k, group_size):  # (16 rows: the dot path was faster)
+        return Int4Config("mma", block_m=8, block_n=64, block_k=128, num_warps=4)
     # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth session)
     if m == 1:
         # act-order gathers the activations in the kernel: two warps (half the gathers per weight)
@@ -748,8 +1043,11 @@ class Plan:
 
 @functools.lru_cache(maxsize=4096)
 def _plan(m: int, n: int, k: int, group_size: int, device_index: int | None, config: Int4Config | None,
-          act_order: bool = False) -> Plan:
-    cfg = config or default_config(m, n, k, group_size, act_order)
+          act_order: bool = False, mma_ok: bool = False) -> Plan:
+    cfg = config or default_config(m, n, k, group_size, act_order, mma_ok)
+    if cfg.path == "mma" and not (mma_ok and mma_fits(m, k, group_size)):
+        raise ValueError(f"Int4Config path 'mma' needs a GPU, bf16/fp16 activations with 16-byte aligned rows, "
+                         f"M <= 16, K % 128 == 0 and groups of a multiple of 128 (M={m}, K={k}, group {group_size})")
     aligned = group_size >= k  # one group: any k-block lies in it
     block_k = cfg.block_k if aligned else min(cfg.block_k, pow2_factor(group_size))
     path = cfg.path
@@ -765,16 +1063,22 @@ def _plan(m: int, n: int, k: int, group_size: int, device_index: int | None, con
     if split_k is None:
         # resident programs per SM: 4 FMA programs (255 registers x 64 threads), 2 tensor-core ones
         split_k = pick_split_k(m, k, m_tiles * n_tiles, k_blocks, _sm_count(device_index),
-                               programs_per_sm=4 if path == "gemv" else 2)
+                               programs_per_sm={"gemv": 4, "dot": 2, "mma": 8}[path])
     split_k = max(1, min(int(split_k), k_blocks))
     k_per_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
     reduce = 0
     if split_k > 1:
         reduce = 2 if cfg.reduce == "last" and m_tiles * n_tiles <= TICKETS else 1
-    grid = (n_tiles, split_k, m_tiles) if path == "gemv" else (m_tiles, n_tiles, split_k)
+    grid = (m_tiles, n_tiles, split_k) if path == "dot" else (n_tiles, split_k, m_tiles)
     scale_after = cfg.scale_after if cfg.scale_after is not None else block_m < block_k
     return Plan(cfg, block_m, block_k, split_k, k_per_split, grid, reduce, scale_after)
+
+
+def _mma_ok(x: torch.Tensor) -> bool:
+    """x suits the mma path: compiled (not the interpreter), 16-bit, rows on 16-byte boundaries."""
+    return (not interpreting() and x.dtype in (torch.bfloat16, torch.float16) and x.stride(1) == 1
+            and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0)
 
 
 def _pairs_ok(cfg: Int4Config, plan: Plan, x_dtype: torch.dtype, scales_dtype: torch.dtype) -> bool:
@@ -849,8 +1153,9 @@ def int4_gemm(
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
     if split_k is not None:
-        config = replace(config or default_config(m, n, k, group_size, perm is not None), split_k=split_k)
-    plan = _plan(m, n, k, group_size, _device_index(x.device), config, perm is not None)
+        config = replace(config or default_config(m, n, k, group_size, perm is not None, _mma_ok(x)),
+                         split_k=split_k)
+    plan = _plan(m, n, k, group_size, _device_index(x.device), config, perm is not None, _mma_ok(x))
     cfg = plan.cfg
     reduce = plan.reduce
     tickets = None
@@ -861,7 +1166,19 @@ def int4_gemm(
     part = torch.empty((plan.splits, m, n), dtype=torch.float32, device=x.device) if reduce else out
     bias_arg = bias if bias is not None else scales
     ticket_arg = tickets if tickets is not None else qweight
-    if cfg.path == "gemv":
+    if cfg.path == "mma":
+        if perm is not None:
+            x = x.index_select(1, perm)
+        _int4_mma_kernel[plan.grid](
+            x, qweight, scales, zeros, bias_arg, out, part, ticket_arg,
+            m, n, k, group_size, plan.k_per_split, plan.splits,
+            x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
+            WARPS=cfg.num_warps, GROUPS=plan.block_m // 8, GROUP_LOG2=_group_log2(group_size, k),
+            PF=cfg.l2_ahead, UNROLL=cfg.unroll, REDUCE=reduce,
+            HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
+            num_warps=cfg.num_warps, num_stages=1,
+        )
+    elif cfg.path == "gemv":
         if perm is not None and not cfg.gather_x:
             x, perm = x.index_select(1, perm), None
         if perm is not None:

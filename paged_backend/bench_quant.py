@@ -253,7 +253,7 @@ class QuantBench:
         counts), a config is a sweep candidate (returned, dropped when wrong or failing),
         ``legacy`` the previous kernel with its default (recorded)."""
         from paged_backend.kernels import int4_gemm_legacy
-        from paged_backend.kernels.int4_gemm import _device_index, _plan, int4_gemm
+        from paged_backend.kernels.int4_gemm import _device_index, _mma_ok, _plan, int4_gemm
 
         variant = variant or ("int4 act-order" if act_order else "int4")
         name = f"{variant} {k}x{n} M={m}" + (f" [{config.label()}]" if config else "")
@@ -284,7 +284,7 @@ class QuantBench:
             label = f"legacy {int4_gemm_legacy.default_config(m, n, k, w0.group_size).label()}"
         else:
             gs = k if w0.group_size == -1 else w0.group_size  # as the launcher passes it
-            plan = _plan(m, n, k, gs, _device_index(x.device), config, w0.perm is not None)
+            plan = _plan(m, n, k, gs, _device_index(x.device), config, w0.perm is not None, _mma_ok(x))
             label = f"{plan.cfg.label()} -> split {plan.splits}"
         row = dict(kind="int4", variant=variant, K=k, N=n, M=m, us=us, weight_GBps=w0.nbytes / (us * 1e3),
                    speedup=bf16_us / us, config=label, act_order=act_order)
@@ -336,7 +336,7 @@ class QuantBench:
     # -- int4 sweep ------------------------------------------------------------------------------
 
     def _sweep_cell(self, x, ws: list[Int4Weight], k: int, n: int, m: int, bf16_us: float) -> None:
-        from paged_backend.kernels.int4_gemm import default_config
+        from paged_backend.kernels.int4_gemm import _mma_ok, default_config
 
         act_order = ws[0].perm is not None
         ref = self._int4_ref(x, ws[0])
@@ -358,7 +358,7 @@ class QuantBench:
 
         legacy = self._int4_cell(x, ws, k, n, m, act_order, bf16_us, variant="int4 legacy", legacy=True)
         gs = k if ws[0].group_size == -1 else ws[0].group_size
-        default = default_config(m, n, k, gs)
+        default = default_config(m, n, k, gs, act_order, _mma_ok(x))
         trial(default)
         if default.path == "dot":  # the paired 16-bit dequantization against the fp32 route
             trial(dataclasses.replace(default, pairs=False))
@@ -461,15 +461,17 @@ def sweep_candidates(m: int) -> list[Any]:
     def dot(bm, bn, bk, w, s, swap=True):
         return C("dot", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap_ab=swap)
 
+    mma = [C("mma", block_m=8 if m <= 8 else 16, block_n=16 * w, block_k=128, num_warps=w) for w in (4, 2, 8)]
+
     if m <= 4:
         bm = 1 << (m - 1).bit_length()
         gemv = [C("gemv", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s)
                 for bn, bk, w, s in ((128, 128, 4, 2), (128, 128, 4, 3), (128, 128, 2, 2), (128, 128, 2, 3),
                                      (256, 128, 4, 2), (64, 128, 2, 2), (128, 128, 4, 1), (64, 128, 1, 2))]
-        return (gemv if m == 1 else gemv[:4]) + [dot(16, 128, 128, 4, 3), dot(16, 256, 128, 8, 3),
-                                                   dot(16, 64, 128, 4, 3)]
+        return mma + (gemv if m == 1 else gemv[:4]) + [dot(16, 128, 128, 4, 3), dot(16, 256, 128, 8, 3),
+                                                         dot(16, 64, 128, 4, 3)]
     if m <= 16:
-        return [dot(16, 128, 128, 4, 3), dot(16, 256, 128, 8, 3), dot(16, 64, 128, 4, 3), dot(16, 128, 64, 4, 4),
+        return mma + [dot(16, 128, 128, 4, 3), dot(16, 256, 128, 8, 3), dot(16, 64, 128, 4, 3), dot(16, 128, 64, 4, 4),
                 dot(16, 128, 128, 8, 3), dot(16, 128, 128, 4, 4), dot(16, 128, 128, 4, 3, swap=False)]
     if m <= 64:
         bm = 32 if m <= 32 else 64

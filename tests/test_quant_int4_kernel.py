@@ -216,6 +216,13 @@ def test_default_config_paths():
         # act-order's in-kernel gather: two warps (four doubled its time on the H200)
         assert mod.default_config(1, 4096, 4096, 128, act_order=True).num_warps == 2
         assert mod.default_config(1, 4096, 4096, 128).num_warps == 4
+        # 16-bit activations on the GPU: the mma path up to 16 rows, for groups of whole 128-k blocks
+        assert [mod.default_config(m, 4096, 4096, 128, mma_ok=True).path for m in (1, 8, 9, 16)] == [
+            "mma", "mma", "dot", "dot"]
+        assert mod.default_config(1, 4096, 4096, 256, mma_ok=True).path == "mma"
+        assert mod.default_config(1, 4096, 4096, 4096, mma_ok=True).path == "mma"  # one group
+        assert mod.default_config(1, 4096, 4096, 64, mma_ok=True).path == "gemv"
+        assert mod.default_config(1, 4096, 4160, 4160, mma_ok=True).path == "gemv"  # K not whole 128-k blocks
     finally:
         del mod.interpreting
         from paged_backend.kernels._launch import interpreting
@@ -232,6 +239,10 @@ def test_config_validation_and_launcher_errors():
         Int4Config(block_n=48)
     with pytest.raises(ValueError, match=">= 16"):
         Int4Config(path="dot", block_m=8)
+    with pytest.raises(ValueError, match="mma path"):
+        Int4Config(path="mma", block_m=8, block_n=128, block_k=128, num_warps=4)  # block_n = 16 * warps
+    with pytest.raises(ValueError, match="mma path"):
+        Int4Config(path="mma", block_m=4, block_n=64, block_k=128, num_warps=4)
     qweight, _, scales, zeros, _ = _random_int4(64, 16, 32, False, torch.float32)
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="scales"):
@@ -244,6 +255,11 @@ def test_config_validation_and_launcher_errors():
         int4_gemm(torch.randn(2, 72), qweight, scales, zeros, 32)
     with pytest.raises(ValueError, match="qweight"):
         int4_gemm(x, qweight.t().contiguous(), scales, zeros, 32)  # GPTQ's [K/8, N] is not the kernel layout
+    # the mma path is inline PTX: never on fp32 activations (nor in the interpreter), nor for groups
+    # that split a 128-k block
+    mma = Int4Config(path="mma", block_m=8, block_n=64, block_k=128, num_warps=4)
+    with pytest.raises(ValueError, match="path 'mma' needs"):
+        int4_gemm(x, qweight, scales, zeros, 32, config=mma)
 
 
 # -- CUDA: full sizes (the issue's M grid over Llama-3.1-8B's projections, group 128) -------------
@@ -305,23 +321,57 @@ def _cuda_int4(k, n, group_size, act_order):
     return qweight.cuda(), scales.cuda(), zeros.cuda(), perm.cuda() if perm is not None else None
 
 
-def _check_cuda_case(m, k, n, group_size, act_order, cfg):
+def _check_cuda_case(m, k, n, group_size, act_order, cfg, dtype=torch.bfloat16, x=None):
     from paged_backend.kernels.int4_gemm import int4_gemm
 
     dev = torch.device("cuda")
     qweight, scales, zeros, perm = _cuda_int4(k, n, group_size, act_order)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)).to(dev, torch.bfloat16)
-    bias = torch.randn(n, device=dev, dtype=torch.bfloat16)
+    if x is None:
+        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + 1)).to(dev, dtype)
+    bias = torch.randn(n, device=dev, dtype=dtype)
     w = dequantize_int4_ref(qweight, scales, zeros, group_size)  # fp32: the kernel never rounds W
     xs = x.float() if perm is None else x.float().index_select(1, perm.long())
     want = xs @ w + bias.float()
     got = int4_gemm(x, qweight, scales, zeros, group_size, perm, bias, config=cfg)
-    assert got.dtype == torch.bfloat16 and got.shape == (m, n) and torch.isfinite(got).all()
+    assert got.dtype == dtype and got.shape == (m, n) and torch.isfinite(got).all()
     # fp32 accumulation of exact operands: the output's bf16 rounding (2^-8 relative) dominates,
     # plus W's bf16 rounding when the scale goes before the dot
     err = ((got.float() - want).norm() / want.norm()).item()
     assert err < 4e-3, err
     torch.testing.assert_close(got.float(), want, rtol=1e-2, atol=1e-2 * want.abs().max().item())
+
+
+@cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16])
+@pytest.mark.parametrize("k,n,group_size", [(4096, 4136, 128), (2048, 1000, 256), (1152, 520, -1)])
+def test_cuda_mma_path_matches_reference(dtype, m, k, n, group_size):
+    """The mma path (inline PTX: per-lane words into m16n8k16 fragments) on its own: N not a
+    multiple of the program's 64 columns, groups of 128 / 256 / one, both 16-bit dtypes, one or
+    two 8-row groups of activations, every split-K reduction, act-order (x gathered first)."""
+    for act_order in (False, True):
+        for split_k, reduce in ((None, "last"), (1, "last"), (3, "kernel"), (5, "last")):
+            cfg = _cfg(path="mma", block_m=8 if m <= 8 else 16, block_n=64, block_k=128, num_warps=4,
+                       split_k=split_k, reduce=reduce)
+            _check_cuda_case(m, k, n, group_size, act_order, cfg, dtype)
+    for warps in (2, 8):
+        cfg = _cfg(path="mma", block_m=8 if m <= 8 else 16, block_n=16 * warps, block_k=128, num_warps=warps)
+        _check_cuda_case(m, k, n, group_size, False, cfg, dtype)
+
+
+@cuda
+def test_cuda_mma_default_and_unaligned_activations():
+    """bf16/fp16 x with rows on 16-byte boundaries takes the mma path by default (up to 8 rows); a view whose
+    rows are not (or fp32 x) takes the FMA GEMV, with the same result."""
+    from paged_backend.kernels.int4_gemm import _mma_ok, _plan
+
+    k, n = 4096, 4136
+    base = torch.randn(3, k + 8, generator=torch.Generator().manual_seed(9)).to("cuda", torch.bfloat16)
+    aligned, unaligned = base[:, :k], base[:, 1:k + 1]
+    assert _mma_ok(aligned) and not _mma_ok(unaligned) and not _mma_ok(aligned.float())
+    assert _plan(3, n, k, 128, 0, None, False, True).cfg.path == "mma"
+    for x in (aligned, unaligned):
+        _check_cuda_case(3, k, n, 128, False, None, x=x)
 
 
 @cuda
