@@ -43,8 +43,10 @@ warp's 16, and the same four words' x pairs of activation row g. Word pairs i (b
 16 + 4i) become A fragments with a shift, a LOP3 and a paired subtract (exact q - z, as in the dot
 path), two MMAs per word (A's k order is the lanes' word order; B, x, follows it); C (16 columns
 x 8 rows, fp32) takes the group scale after each k-block. ~1.4 dequantization instructions per
-weight nibble, no shared memory, no layout conversion; 48-56 registers. The CPU interpreter
-cannot run it (tests on CUDA only); the GEMV is its fallback.
+weight nibble, no shared memory, no layout conversion; 48-56 registers. A program's warps either
+own 16 columns each or split its K slice between them (``block_n`` < 16 x ``num_warps``; summed
+through shared memory at the end, which spares the split-K partials). The CPU interpreter cannot
+run it (tests on CUDA only); the GEMV is its fallback.
 
 Split-K (every path), ``Int4Config.reduce``:
 
@@ -90,9 +92,6 @@ class Int4Config:
     gather_x: bool = True  # gemv path with act-order: gather x through perm in the kernel (else index_select)
     scale_after: bool | None = None  # dot path; None: block_m < block_k
     pairs: bool = True  # dot path, GPU, bf16/fp16: dequantize two values per instruction
-    l2_ahead: int = 0  # mma path: each lane asks L2 for its weight words this many k-blocks ahead (0: never;
-    # -1: one bulk request per column for the program's whole K slice, at the start)
-    unroll: int = 1  # mma path: k-blocks per loop iteration (2: the second one's loads issued a block ahead)
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -107,11 +106,10 @@ class Int4Config:
             raise ValueError(f"Int4Config.block_k must be >= 8, got {self.block_k}")
         if self.path == "dot" and min(self.block_m, self.block_n, self.block_k) < 16:
             raise ValueError("Int4Config: the dot path needs block_m, block_n, block_k >= 16")
-        if self.path == "mma" and (self.block_m not in (8, 16) or self.block_k != 128
-                                   or self.block_n != 16 * self.num_warps or self.unroll not in (1, 2)
-                                   or self.l2_ahead < -1):
-            raise ValueError("Int4Config: the mma path takes block_m 8 or 16, block_k 128, "
-                             "block_n = 16 * num_warps, unroll 1 or 2 and l2_ahead >= -1")
+        if self.path == "mma" and (self.block_m not in (8, 16) or self.block_k != 128 or self.block_n < 16
+                                   or (self.num_warps * 16) % self.block_n):
+            raise ValueError("Int4Config: the mma path takes block_m 8 or 16, block_k 128 and block_n = 16 x "
+                             "a divisor of num_warps (the other warps split K)")
 
     def label(self) -> str:
         sk = "auto" if self.split_k is None else str(self.split_k)
@@ -119,8 +117,6 @@ class Int4Config:
         if self.path == "dot":
             extra = (" swap" if self.swap_ab else "") + {None: "", True: " post", False: " pre"}[self.scale_after]
             extra += "" if self.pairs else " fp32dq"
-        if self.path == "mma":
-            extra = f" l2+{self.l2_ahead} u{self.unroll}"
         return (f"{self.path} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{sk} "
                 f"w{self.num_warps} s{self.num_stages} {self.reduce}{extra}")
 
@@ -749,21 +745,6 @@ def _mma_x(x32, k0):
 
 
 @triton.jit
-def _prefetch_l2(ptr):
-    """Asks L2 for the line of each lane's address (no register waits on it)."""
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; mov.u32 $0, 0;", "=r,l", [ptr], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _bulk_prefetch_l2(ptr, nbytes, on):
-    """Lanes with ``on`` ask L2 for ``nbytes`` (a multiple of 16) from ``ptr`` (16-byte aligned)."""
-    tl.inline_asm_elementwise(
-        "{ .reg .pred p; setp.ne.u32 p, $1, 0; @p cp.async.bulk.prefetch.L2.global [$2], $3; mov.u32 $0, 0; }",
-        "=r,r,l,r", [on.to(tl.int32), ptr, nbytes], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
 def _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb, k0, group_size, stride_sg, stride_zg,
                GROUP_LOG2: tl.constexpr, GROUPS: tl.constexpr):
     """Everything the k-block at k0 reads: the lane's two weight words x 4, its x pairs, and the
@@ -808,6 +789,20 @@ def _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS: tl.constexpr, BF16: tl
 
 
 @triton.jit
+def _sum_warps(acc, WK: tl.constexpr, COLS: tl.constexpr):
+    """Each [WK * COLS] accumulator of ``acc`` summed over its WK warp rows (fixed order)."""
+    if len(acc) == 4:
+        out = (tl.sum(tl.reshape(acc[0], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[1], (WK, COLS)), axis=0),
+               tl.sum(tl.reshape(acc[2], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[3], (WK, COLS)), axis=0))
+    else:
+        out = (tl.sum(tl.reshape(acc[0], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[1], (WK, COLS)), axis=0),
+               tl.sum(tl.reshape(acc[2], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[3], (WK, COLS)), axis=0),
+               tl.sum(tl.reshape(acc[4], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[5], (WK, COLS)), axis=0),
+               tl.sum(tl.reshape(acc[6], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[7], (WK, COLS)), axis=0))
+    return out
+
+
+@triton.jit
 def _int4_mma_kernel(
     x_ptr,  # [M, K] bf16/fp16, rows 16-byte aligned (already permuted for act-order)
     qw_ptr,  # int32 [N, K/8]
@@ -828,11 +823,11 @@ def _int4_mma_kernel(
     stride_sg,
     stride_zg,
     stride_ps,
-    WARPS: tl.constexpr,  # = num_warps; a program owns 16 output columns per warp
+    WARPS: tl.constexpr,  # = num_warps
+    WK: tl.constexpr,  # warps splitting the program's K slice (k-blocks wk, wk + WK, ..); WARPS / WK
+    # warps side by side own 16 output columns each
     GROUPS: tl.constexpr,  # activation rows / 8 (1 or 2)
     GROUP_LOG2: tl.constexpr,  # see _group_of
-    PF: tl.constexpr,  # weight words asked of L2 this many k-blocks ahead (0: never)
-    UNROLL: tl.constexpr,  # 1, or 2: k-blocks per iteration (the second's loads in other registers)
     REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BF16: tl.constexpr,
@@ -841,11 +836,12 @@ def _int4_mma_kernel(
     pid_k = tl.program_id(1)
     pid_m = tl.program_id(2)
     R: tl.constexpr = 32 * WARPS
+    WN: tl.constexpr = WARPS // WK
     r = tl.arange(0, R)  # one element per thread: element r is lane r % 32 of warp r // 32
     lane = r % 32
     g = lane // 4  # the MMA's group: output columns g, g + 8 (A rows) and activation row g (B column)
     c = lane % 4  # the MMA's thread in group: words 4c .. 4c + 3 of every k-block (A/B k order)
-    col_a = pid_n * (16 * WARPS) + (r // 32) * 16 + g
+    col_a = pid_n * (16 * WN) + (r // 32) % WN * 16 + g
     col_b = col_a + 8
     ca = tl.minimum(col_a, N - 1)  # rows past N read row N - 1 (never stored)
     cb = tl.minimum(col_b, N - 1)
@@ -859,51 +855,39 @@ def _int4_mma_kernel(
     k_start = pid_k * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
     k_last = k_end - 128
+    k_warp = k_start + r // (32 * WN) * 128  # the warp's first k-block
     zero = tl.zeros((R,), dtype=tl.float32)
     if GROUPS == 1:
         acc = (zero, zero, zero, zero)
     else:
         acc = (zero, zero, zero, zero, zero, zero, zero, zero)
-    if PF < 0:  # the program's whole slice of its columns, one bulk request per column
-        first = tl.where(c == 0, wa_ptr, wb_ptr - 4) - c * 4 + k_start // 8
-        _bulk_prefetch_l2(first, tl.zeros_like(c) + (k_end - k_start) // 2, c < 2)
-    if PF > 0:
-        for i in tl.static_range(PF):
-            kp = tl.minimum(k_start + i * 128, k_last) // 8
-            _prefetch_l2(wa_ptr + kp)
-            _prefetch_l2(wb_ptr + kp)
-    # everything a k-block reads is loaded one k-block ahead (the last re-reads itself)
-    w_a, w_b, xq, sa, sb, za, zb = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb, k_start,
-                                              group_size, stride_sg, stride_zg, GROUP_LOG2, GROUPS)
-    for k0 in range(k_start, k_end, 128 * UNROLL):
-        if PF > 0:
-            for i in tl.static_range(UNROLL):
-                kp = tl.minimum(k0 + (PF + i) * 128, k_last) // 8
-                _prefetch_l2(wa_ptr + kp)
-                _prefetch_l2(wb_ptr + kp)
-        if UNROLL == 2:
-            # the second k-block's loads go to registers of their own, so they are issued here,
-            # a k-block ahead of their use; past the slice's end it repeats the last block, scale 0
-            k1 = tl.minimum(k0 + 128, k_last)
-            w_a1, w_b1, xq1, sa1, sb1, za1, zb1 = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb,
-                                                             k1, group_size, stride_sg, stride_zg, GROUP_LOG2, GROUPS)
-            live = k0 + 128 < k_end
-            sa1 = tl.where(live, sa1, 0.0)
-            sb1 = tl.where(live, sb1, 0.0)
-        # (the asm statements are not pure: the compiler keeps this order, loads before the MMAs
-        # that do not need them, in registers of their own)
-        k_next = tl.minimum(k0 + 128 * UNROLL, k_last)
-        if UNROLL == 1:
-            w_a1, w_b1, xq1, sa1, sb1, za1, zb1 = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb,
-                                                             k_next, group_size, stride_sg, stride_zg, GROUP_LOG2,
-                                                             GROUPS)
-            acc = _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS, BF16)
-            w_a, w_b, xq, sa, sb, za, zb = w_a1, w_b1, xq1, sa1, sb1, za1, zb1
-        else:
-            acc = _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS, BF16)
-            w_a, w_b, xq, sa, sb, za, zb = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb, k_next,
-                                                      group_size, stride_sg, stride_zg, GROUP_LOG2, GROUPS)
-            acc = _mma_block(acc, w_a1, w_b1, xq1, sa1, sb1, za1, zb1, GROUPS, BF16)
+    # everything a k-block reads is loaded one k-block ahead; past the slice's end a warp re-reads
+    # the last k-block, with scale 0
+    w_a, w_b, xq, sa, sb, za, zb = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb,
+                                              tl.minimum(k_warp, k_last), group_size, stride_sg, stride_zg,
+                                              GROUP_LOG2, GROUPS)
+    if WK > 1:
+        sa = tl.where(k_warp < k_end, sa, 0.0)
+        sb = tl.where(k_warp < k_end, sb, 0.0)
+    for k0 in range(k_start, k_end, 128 * WK):
+        k_next = k_warp + (k0 - k_start) + 128 * WK
+        # (the asm statements are not pure: the compiler keeps this order, the next k-block's
+        # loads before this one's MMAs; ptxas still moves them down to save registers)
+        w_a1, w_b1, xq1, sa1, sb1, za1, zb1 = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb,
+                                                         tl.minimum(k_next, k_last), group_size, stride_sg,
+                                                         stride_zg, GROUP_LOG2, GROUPS)
+        if WK > 1:
+            sa1 = tl.where(k_next < k_end, sa1, 0.0)
+            sb1 = tl.where(k_next < k_end, sb1, 0.0)
+        acc = _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS, BF16)
+        w_a, w_b, xq, sa, sb, za, zb = w_a1, w_b1, xq1, sa1, sb1, za1, zb1
+    if WK > 1:  # the warps of one column group summed in warp order (through shared memory)
+        acc = _sum_warps(acc, WK, 32 * WN)
+        r = tl.arange(0, 32 * WN)
+        lane = r % 32
+        g = lane // 4
+        c = lane % 4
+        col_a = pid_n * (16 * WN) + r // 32 * 16 + g
     # C of group q: c0, c1 = (column a, rows 8q + 2c, 8q + 2c + 1), c2, c3 = the same of column b
     two = tl.arange(0, 2)
     m_off = (m0 + 2 * c)[:, None, None] + two[None, :, None]
@@ -1011,14 +995,16 @@ def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = Fa
             return Int4Config("gemv", block_m=triton.next_power_of_2(m), block_n=32, block_k=32, num_stages=1)
         return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
     if mma_ok and m <= 8 and mma_fits(m, k, group_size):  # (16 rows: the dot path was faster)
-        return Int4Config("mma", block_m=8, block_n=64, block_k=128, num_warps=4)
-    # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth session)
+        # one 16-column group per program, its warps splitting K (no split-K partials where the
+        # column groups fill the GPU): four warps from 512 groups (N >= 8192), else eight
+        return Int4Config("mma", block_m=8, block_n=16, block_k=128, num_warps=4 if n >= 8192 else 8)
+    # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth and seventh sessions)
     if m == 1:
         # act-order gathers the activations in the kernel: two warps (half the gathers per weight)
         return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2 if act_order else 4,
                           num_stages=2)
     if m <= 16:
-        return Int4Config("dot", block_m=16, block_n=128, block_k=128, num_warps=4, num_stages=3, swap_ab=True)
+        return Int4Config("dot", block_m=16, block_n=128, block_k=64, num_warps=4, num_stages=4, swap_ab=True)
     if m <= 32:
         return Int4Config("dot", block_m=32, block_n=128, block_k=128, num_warps=4, num_stages=4, swap_ab=True)
     if m <= 64:
@@ -1061,9 +1047,10 @@ def _plan(m: int, n: int, k: int, group_size: int, device_index: int | None, con
     k_blocks = triton.cdiv(k, block_k)
     split_k = cfg.split_k
     if split_k is None:
-        # resident programs per SM: 4 FMA programs (255 registers x 64 threads), 2 tensor-core ones
+        # resident programs per SM: 4 FMA programs (255 registers x 64 threads), 2 tensor-core ones,
+        # 32 warps of mma programs (~56 registers)
         split_k = pick_split_k(m, k, m_tiles * n_tiles, k_blocks, _sm_count(device_index),
-                               programs_per_sm={"gemv": 4, "dot": 2, "mma": 8}[path])
+                               programs_per_sm={"gemv": 4, "dot": 2, "mma": max(1, 32 // cfg.num_warps)}[path])
     split_k = max(1, min(int(split_k), k_blocks))
     k_per_split = triton.cdiv(k_blocks, split_k) * block_k
     split_k = triton.cdiv(k, k_per_split)  # no empty slices
@@ -1173,8 +1160,8 @@ def int4_gemm(
             x, qweight, scales, zeros, bias_arg, out, part, ticket_arg,
             m, n, k, group_size, plan.k_per_split, plan.splits,
             x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
-            WARPS=cfg.num_warps, GROUPS=plan.block_m // 8, GROUP_LOG2=_group_log2(group_size, k),
-            PF=cfg.l2_ahead, UNROLL=cfg.unroll, REDUCE=reduce,
+            WARPS=cfg.num_warps, WK=cfg.num_warps * 16 // cfg.block_n, GROUPS=plan.block_m // 8,
+            GROUP_LOG2=_group_log2(group_size, k), REDUCE=reduce,
             HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=1,
         )

@@ -461,7 +461,8 @@ def sweep_candidates(m: int) -> list[Any]:
     def dot(bm, bn, bk, w, s, swap=True):
         return C("dot", block_m=bm, block_n=bn, block_k=bk, num_warps=w, num_stages=s, swap_ab=swap)
 
-    mma = [C("mma", block_m=8 if m <= 8 else 16, block_n=16 * w, block_k=128, num_warps=w) for w in (4, 2, 8)]
+    mma = [C("mma", block_m=8 if m <= 8 else 16, block_n=bn, block_k=128, num_warps=w)  # bn < 16 w: warps split K
+           for bn, w in ((64, 4), (32, 2), (128, 8), (16, 4), (32, 4), (16, 8), (32, 8), (16, 2))]
 
     if m <= 4:
         bm = 1 << (m - 1).bit_length()

@@ -220,6 +220,9 @@ def test_default_config_paths():
         assert [mod.default_config(m, 4096, 4096, 128, mma_ok=True).path for m in (1, 8, 9, 16)] == [
             "mma", "mma", "dot", "dot"]
         assert mod.default_config(1, 4096, 4096, 256, mma_ok=True).path == "mma"
+        # one 16-column group per program, warps splitting K: 4 when N gives 512+ groups, else 8
+        assert [(c.block_n, c.num_warps) for c in (mod.default_config(1, n, 4096, 128, mma_ok=True)
+                                                   for n in (14336, 4096))] == [(16, 4), (16, 8)]
         assert mod.default_config(1, 4096, 4096, 4096, mma_ok=True).path == "mma"  # one group
         assert mod.default_config(1, 4096, 4096, 64, mma_ok=True).path == "gemv"
         assert mod.default_config(1, 4096, 4160, 4160, mma_ok=True).path == "gemv"  # K not whole 128-k blocks
@@ -240,7 +243,9 @@ def test_config_validation_and_launcher_errors():
     with pytest.raises(ValueError, match=">= 16"):
         Int4Config(path="dot", block_m=8)
     with pytest.raises(ValueError, match="mma path"):
-        Int4Config(path="mma", block_m=8, block_n=128, block_k=128, num_warps=4)  # block_n = 16 * warps
+        Int4Config(path="mma", block_m=8, block_n=128, block_k=128, num_warps=4)  # 8 column groups, 4 warps
+    with pytest.raises(ValueError, match="mma path"):
+        Int4Config(path="mma", block_m=8, block_n=64, block_k=128, num_warps=2)
     with pytest.raises(ValueError, match="mma path"):
         Int4Config(path="mma", block_m=4, block_n=64, block_k=128, num_warps=4)
     qweight, _, scales, zeros, _ = _random_int4(64, 16, 32, False, torch.float32)
@@ -347,16 +352,19 @@ def _check_cuda_case(m, k, n, group_size, act_order, cfg, dtype=torch.bfloat16, 
 @pytest.mark.parametrize("k,n,group_size", [(4096, 4136, 128), (2048, 1000, 256), (1152, 520, -1)])
 def test_cuda_mma_path_matches_reference(dtype, m, k, n, group_size):
     """The mma path (inline PTX: per-lane words into m16n8k16 fragments) on its own: N not a
-    multiple of the program's 64 columns, groups of 128 / 256 / one, both 16-bit dtypes, one or
-    two 8-row groups of activations, every split-K reduction, act-order (x gathered first)."""
+    multiple of the program's columns, groups of 128 / 256 / one, both 16-bit dtypes, one or two
+    8-row groups of activations, every split-K reduction, act-order (x gathered first), warps
+    side by side and warps splitting K (k-block counts not a multiple of them)."""
     for act_order in (False, True):
         for split_k, reduce in ((None, "last"), (1, "last"), (3, "kernel"), (5, "last")):
             cfg = _cfg(path="mma", block_m=8 if m <= 8 else 16, block_n=64, block_k=128, num_warps=4,
                        split_k=split_k, reduce=reduce)
             _check_cuda_case(m, k, n, group_size, act_order, cfg, dtype)
-    for warps in (2, 8):
-        cfg = _cfg(path="mma", block_m=8 if m <= 8 else 16, block_n=16 * warps, block_k=128, num_warps=warps)
-        _check_cuda_case(m, k, n, group_size, False, cfg, dtype)
+    for block_n, warps in ((32, 2), (128, 8), (16, 4), (32, 8)):  # block_n < 16 x warps: warps split K
+        for split_k in (None, 3):
+            cfg = _cfg(path="mma", block_m=8 if m <= 8 else 16, block_n=block_n, block_k=128, num_warps=warps,
+                       split_k=split_k)
+            _check_cuda_case(m, k, n, group_size, False, cfg, dtype)
 
 
 @cuda
