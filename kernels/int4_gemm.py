@@ -995,9 +995,12 @@ def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = Fa
             return Int4Config("gemv", block_m=triton.next_power_of_2(m), block_n=32, block_k=32, num_stages=1)
         return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
     if mma_ok and m <= 8 and mma_fits(m, k, group_size):  # (16 rows: the dot path was faster)
-        # one 16-column group per program, its warps splitting K (no split-K partials where the
-        # column groups fill the GPU): four warps from 512 groups (N >= 8192), else eight
-        return Int4Config("mma", block_m=8, block_n=16, block_k=128, num_warps=4 if n >= 8192 else 8)
+        # one 16-column group per program, its warps splitting K: no split-K partials once the
+        # groups alone are 256+ programs; 4 warps from 512 groups (N >= 8192), else 8 (16 for a
+        # long K: ~4-8 k-blocks per warp)
+        warps = 4 if n >= 8192 else (8 if k <= 8192 else 16)
+        return Int4Config("mma", block_m=8, block_n=16, block_k=128, num_warps=warps,
+                          split_k=1 if n >= 256 * 16 else None)
     # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth and seventh sessions)
     if m == 1:
         # act-order gathers the activations in the kernel: two warps (half the gathers per weight)

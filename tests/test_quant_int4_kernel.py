@@ -220,9 +220,10 @@ def test_default_config_paths():
         assert [mod.default_config(m, 4096, 4096, 128, mma_ok=True).path for m in (1, 8, 9, 16)] == [
             "mma", "mma", "dot", "dot"]
         assert mod.default_config(1, 4096, 4096, 256, mma_ok=True).path == "mma"
-        # one 16-column group per program, warps splitting K: 4 when N gives 512+ groups, else 8
-        assert [(c.block_n, c.num_warps) for c in (mod.default_config(1, n, 4096, 128, mma_ok=True)
-                                                   for n in (14336, 4096))] == [(16, 4), (16, 8)]
+        # one 16-column group per program, warps splitting K (see default_config)
+        assert [(c.block_n, c.num_warps, c.split_k) for c in (mod.default_config(1, n, k, 128, mma_ok=True)
+                for n, k in ((14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096)))] == [
+            (16, 4, 1), (16, 8, 1), (16, 16, 1), (16, 8, None)]
         assert mod.default_config(1, 4096, 4096, 4096, mma_ok=True).path == "mma"  # one group
         assert mod.default_config(1, 4096, 4096, 64, mma_ok=True).path == "gemv"
         assert mod.default_config(1, 4096, 4160, 4160, mma_ok=True).path == "gemv"  # K not whole 128-k blocks
