@@ -994,7 +994,10 @@ def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = Fa
         if m <= 4:
             return Int4Config("gemv", block_m=triton.next_power_of_2(m), block_n=32, block_k=32, num_stages=1)
         return Int4Config("dot", block_m=16, block_n=32, block_k=32, num_stages=1)
-    if mma_ok and m <= 8 and mma_fits(m, k, group_size):  # (16 rows: the dot path was faster)
+    # act-order: the mma path gathers x first (one more launch, ~6.6 us on the H200); the GEMV's
+    # in-kernel gather costs less than that on small weights
+    small_act_order = act_order and m == 1 and n * k <= 1 << 25
+    if mma_ok and m <= 8 and mma_fits(m, k, group_size) and not small_act_order:  # (16 rows: dot was faster)
         # one 16-column group per program, its warps splitting K: no split-K partials once the
         # groups alone are 256+ programs; 4 warps from 512 groups (N >= 8192), else 8 (16 for a
         # long K: ~4-8 k-blocks per warp)

@@ -220,6 +220,10 @@ def test_default_config_paths():
         assert [mod.default_config(m, 4096, 4096, 128, mma_ok=True).path for m in (1, 8, 9, 16)] == [
             "mma", "mma", "dot", "dot"]
         assert mod.default_config(1, 4096, 4096, 256, mma_ok=True).path == "mma"
+        # act-order at one row: the GEMV's in-kernel gather on small weights, the mma path's
+        # gather-first launch on large ones
+        assert [mod.default_config(1, n, 4096, 128, act_order=True, mma_ok=True).path for n in (4096, 14336)] == [
+            "gemv", "mma"]
         # one 16-column group per program, warps splitting K (see default_config)
         assert [(c.block_n, c.num_warps, c.split_k) for c in (mod.default_config(1, n, k, 128, mma_ok=True)
                 for n, k in ((14336, 4096), (4096, 4096), (4096, 14336), (1024, 4096)))] == [
