@@ -789,16 +789,19 @@ def _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS: tl.constexpr, BF16: tl
 
 
 @triton.jit
+def _warp_sum(a, WK: tl.constexpr, COLS: tl.constexpr):
+    """A [WK * COLS] accumulator summed over its WK warp rows (fixed order)."""
+    return tl.sum(tl.reshape(a, (WK, COLS)), axis=0)
+
+
+@triton.jit
 def _sum_warps(acc, WK: tl.constexpr, COLS: tl.constexpr):
-    """Each [WK * COLS] accumulator of ``acc`` summed over its WK warp rows (fixed order)."""
-    if len(acc) == 4:
-        out = (tl.sum(tl.reshape(acc[0], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[1], (WK, COLS)), axis=0),
-               tl.sum(tl.reshape(acc[2], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[3], (WK, COLS)), axis=0))
-    else:
-        out = (tl.sum(tl.reshape(acc[0], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[1], (WK, COLS)), axis=0),
-               tl.sum(tl.reshape(acc[2], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[3], (WK, COLS)), axis=0),
-               tl.sum(tl.reshape(acc[4], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[5], (WK, COLS)), axis=0),
-               tl.sum(tl.reshape(acc[6], (WK, COLS)), axis=0), tl.sum(tl.reshape(acc[7], (WK, COLS)), axis=0))
+    """``_warp_sum`` of each accumulator of ``acc`` (4 or 8)."""
+    out = (_warp_sum(acc[0], WK, COLS), _warp_sum(acc[1], WK, COLS), _warp_sum(acc[2], WK, COLS),
+           _warp_sum(acc[3], WK, COLS))
+    if len(acc) == 8:
+        out = out + (_warp_sum(acc[4], WK, COLS), _warp_sum(acc[5], WK, COLS), _warp_sum(acc[6], WK, COLS),
+                     _warp_sum(acc[7], WK, COLS))
     return out
 
 
@@ -1145,10 +1148,10 @@ def int4_gemm(
         return out
     if k == 0:
         return out.zero_() if bias is None else out.copy_(bias.expand(m, n))
+    mma_ok = _mma_ok(x)
     if split_k is not None:
-        config = replace(config or default_config(m, n, k, group_size, perm is not None, _mma_ok(x)),
-                         split_k=split_k)
-    plan = _plan(m, n, k, group_size, _device_index(x.device), config, perm is not None, _mma_ok(x))
+        config = replace(config or default_config(m, n, k, group_size, perm is not None, mma_ok), split_k=split_k)
+    plan = _plan(m, n, k, group_size, _device_index(x.device), config, perm is not None, mma_ok)
     cfg = plan.cfg
     reduce = plan.reduce
     tickets = None

@@ -3,7 +3,7 @@ issue's M grid, odd multiples of the group size, groups 32/64/128/-1, act-order 
 every compile-time variant: the FMA GEMV with 1/2/4 rows and each activation load mode, the
 tl.dot path with and without W^T x^T and with the scale before or after the dot, split-K through
 the reduce kernel and through the last program, uneven K, a group size without 16-row blocks),
-full Llama-3.1-8B sizes and CUDA-graph replays on CUDA; and the reference against a
+full Llama-3.1-8B sizes, the inline-PTX mma path and CUDA-graph replays on CUDA; and the reference against a
 from-scratch per-element dequantization."""
 
 from __future__ import annotations
