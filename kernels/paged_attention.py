@@ -29,9 +29,9 @@ K's scale folds into the score scale, V's into the output.
 
 Variants (``AttentionConfig`` fields, all off in the baseline config; ``pick_config`` turns
 on the ones the H200 sweep in ``bench_kernels --variants`` measured faster, per regime:
-decode with a 16-bit cache and many programs gets fused_merge + offsets32, decode with an
-fp8 cache fp8_pairs, prefill q_fold 2 + offsets32 + 5 stages; lazy_rescale and v_early lost
-everywhere they were timed)::
+decode gets offsets32 + reduce_block + pdl, with an fp8 cache also fp8_pairs + maxnreg 128 +
+programs_per_sm 4; prefill q_fold 2 + offsets32 (and its own tile shapes); lazy_rescale,
+v_early and (since the eighth session) fused_merge are opt-in only)::
 
     q_fold        0: scores scaled per tile; 1: softmax scale * log2(e) folded into q in the
                   kernel; 2: folded by the launcher (one elementwise op; q then feeds the MMA as loaded)
@@ -46,6 +46,12 @@ everywhere they were timed)::
                   into even / odd head_dim columns (``_attend_tiles_pairs``): the MMA operands are
                   16-bit tiles, staged like bf16 ones (an 8-bit V tile is read from shared memory
                   byte by byte for the MMA's transposed operand)
+    programs_per_sm  context splits aim at this many programs per SM (the config's occupancy)
+    reduce_block  > 0: past 8 splits the merge kernel reads this many per load (else one by one:
+                  a memory round trip per split)
+    pdl           the merge kernel is launched as a programmatic dependent (sm_90+): its launch
+                  and prologue overlap the attention kernel's tail; it waits (griddepcontrol)
+                  before reading the partials
 """
 
 from __future__ import annotations
@@ -67,11 +73,13 @@ from paged_backend.kernels._launch import (
     scale_tensor,
 )
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)
 
 
+MERGE_SERIAL_MAX = tl.constexpr(8)  # split merge: up to this many splits read one by one, past it in blocks
 LAZY_TAU = tl.constexpr(8.0)  # lazy rescale: a row's reference max moves only when it grows by > 2^8
 
 
@@ -115,12 +123,16 @@ def _mask_scores(s, kpos, kmask, qpos, window, SLIDING: tl.constexpr):
 
 
 @triton.jit
-def _softmax_step(s, m_i, m_new, l_i):
+def _softmax_step(s, m_i, m_new, l_i, qk_scale, SCALE_S: tl.constexpr):
     """One online-softmax step (log2 domain): the tile's probabilities against the running max
     ``m_new``, the factor that rescales what was accumulated against ``m_i``, and the new sum.
-    Rows that saw nothing yet (max -inf) use 0 as their reference."""
+    Rows that saw nothing yet (max -inf) use 0 as their reference. SCALE_S: ``s`` is unscaled
+    and ``qk_scale`` (> 0) enters here, one FMA per score (the maxima are already scaled)."""
     m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-    p = tl.math.exp2(s - m_use[:, None])
+    if SCALE_S:
+        p = tl.math.exp2(tl.fma(s, qk_scale, -m_use[:, None]))
+    else:
+        p = tl.math.exp2(s - m_use[:, None])
     alpha = tl.math.exp2(m_i - m_use)
     return p, alpha, l_i * alpha + tl.sum(p, axis=1)
 
@@ -169,17 +181,17 @@ def _attend_tiles(
         k_ptrs = k_base + k_off[None, :] + offs_d[:, None]  # [D_PAD, TILE_N]
         k = _load_tile(k_ptrs, kmask[None, :], dmask[:, None], MASK, PADDED)
         s = tl.dot(q, k.to(DOT_DTYPE), input_precision=PRECISION)  # [BLOCK_M, TILE_N]
-        if SCALE_S:
-            s = s * qk_scale
         if MASK:
             s = _mask_scores(s, kpos, kmask, qpos, window, SLIDING)
         m_tile = tl.max(s, axis=1)
+        if SCALE_S:  # the scale is positive: max first, the scores scale inside the exp2 (one FMA)
+            m_tile = m_tile * qk_scale
         if LAZY:  # p stays <= 2^LAZY_TAU; the accumulator is rescaled only on the tiles where a max jumps
             grow = m_tile > m_i + LAZY_TAU
             m_new = tl.where(grow, m_tile, m_i)
         else:
             m_new = tl.maximum(m_i, m_tile)
-        p, alpha, l_i = _softmax_step(s, m_i, m_new, l_i)
+        p, alpha, l_i = _softmax_step(s, m_i, m_new, l_i, qk_scale, SCALE_S)
         v_ptrs = v_base + v_off[:, None] + offs_d[None, :]  # [TILE_N, D_PAD]
         v = _load_tile(v_ptrs, kmask[:, None], dmask[None, :], MASK, PADDED)
         if V_EARLY:
@@ -279,11 +291,11 @@ def _attend_tiles_pairs(
         kw = _load_tile(k_base + k_off[None, :] + offs_j[:, None], kmask[None, :], jmask[:, None], MASK, PADDED)
         k_e, k_o = _e4m3_pairs(kw, ASM)
         s = tl.dot(q_e, k_e.to(DOT_DTYPE))
-        s = tl.dot(q_o, k_o.to(DOT_DTYPE), s) * qk_scale
+        s = tl.dot(q_o, k_o.to(DOT_DTYPE), s)
         if MASK:
             s = _mask_scores(s, kpos, kmask, qpos, window, SLIDING)
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))
-        p, alpha, l_i = _softmax_step(s, m_i, m_new, l_i)
+        m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
+        p, alpha, l_i = _softmax_step(s, m_i, m_new, l_i, qk_scale, True)
         vw = _load_tile(v_base + v_off[:, None] + offs_j[None, :], kmask[:, None], jmask[None, :], MASK, PADDED)
         v_e, v_o = _e4m3_pairs(vw, ASM)
         p16 = p.to(DOT_DTYPE)
@@ -367,7 +379,10 @@ def _paged_attention_kernel(
     FUSED_MERGE: tl.constexpr = False,
     PAIRS: tl.constexpr = False,  # fp8 cache read as int16 pairs (_attend_tiles_pairs); k/v pointers are int16
     PAIRS_ASM: tl.constexpr = False,  # PAIRS: convert with inline PTX (not in the interpreter)
+    PDL: tl.constexpr = False,  # the split-merge kernel is launched as a programmatic dependent
 ):
+    if PDL:
+        gdc_launch_dependents()  # the split-merge kernel may launch now; it waits for this grid
     kvh = tl.program_id(0) % num_kv_heads  # heads fastest: one q tile's heads run side by side
     pid = tl.num_programs(0) // num_kv_heads - 1 - tl.program_id(0) // num_kv_heads  # last q tiles first
     split = tl.program_id(1)
@@ -533,8 +548,12 @@ def _reduce_splits_kernel(
     HEAD_DIM: tl.constexpr,
     D_PAD: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr = 0,  # > 0: past MERGE_SERIAL_MAX splits, load BLOCK_S at once (a round trip each)
+    PDL: tl.constexpr = False,  # launched as a programmatic dependent of the attention kernel
 ):
     """Merge the splits' partial softmax sums of BLOCK_H heads of one token."""
+    if PDL:
+        gdc_wait()  # the attention kernel's partials are complete and visible
     t = tl.program_id(0).to(tl.int64)
     if t >= tl.load(qsl_ptr + num_seqs):
         return
@@ -545,7 +564,27 @@ def _reduce_splits_kernel(
     m_run = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D_PAD], dtype=tl.float32)
-    for s in range(num_splits):
+    n_serial = num_splits
+    if BLOCK_S > 0:  # many splits: BLOCK_S per memory round trip (few: one by one, measured faster)
+        n_block = tl.where(num_splits > MERGE_SERIAL_MAX, num_splits, 0)
+        n_serial = num_splits - n_block
+        for s0 in range(0, n_block, BLOCK_S):
+            s = s0 + tl.arange(0, BLOCK_S)
+            sm_mask = (s < num_splits)[:, None] & hmask[None, :]  # [S, H]
+            ml_off = s[:, None].to(tl.int64) * stride_ms + t * num_heads + h[None, :]
+            m = tl.load(m_ptr + ml_off, mask=sm_mask, other=float("-inf"))
+            l_s = tl.load(l_ptr + ml_off, mask=sm_mask, other=0.0)
+            p_off = s[:, None, None].to(tl.int64) * stride_ps + t * stride_pt + h[None, :, None] * HEAD_DIM
+            part = tl.load(part_ptr + p_off + d[None, None, :], mask=sm_mask[:, :, None] & mask[None, :, :],
+                           other=0.0)
+            m_new = tl.maximum(m_run, tl.max(m, axis=0))
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+            w = tl.math.exp2(m - m_use[None, :])  # [S, H]; absent splits: exp2(-inf) = 0
+            a = tl.math.exp2(m_run - m_use)
+            l_run = l_run * a + tl.sum(l_s * w, axis=0)
+            acc = acc * a[:, None] + tl.sum(part * w[:, :, None], axis=0)
+            m_run = m_new
+    for s in range(n_serial):
         ml_off = s * stride_ms + t * num_heads + h
         m = tl.load(m_ptr + ml_off, mask=hmask, other=float("-inf"))
         l_s = tl.load(l_ptr + ml_off, mask=hmask, other=0.0)
@@ -576,11 +615,13 @@ class AttentionConfig:
     fused_merge: bool = False  # context splits merged in-kernel by the last split (atomic counter)
     maxnreg: int = 0  # > 0: cap registers per thread (more programs per SM; may spill)
     fp8_pairs: bool = False  # fp8 caches: read K/V as int16 pairs (even head_dim, 16-bit queries)
+    reduce_block: int = 0  # > 0: past 8 splits the split-merge kernel loads this many at once (else one by one)
+    pdl: bool = False  # split-merge kernel launched as a programmatic dependent (overlaps its launch)
+    programs_per_sm: int = 2  # context splits aim at this many programs per SM (match the occupancy)
 
 
 SMEM_BUDGET = 227 * 1024  # shared memory one program may use: the H200's per-block opt-in maximum, 232,448 B
-FUSED_MIN_PROGRAMS = 64  # decode: fused merge + int32 offsets from this many (request, KV head) programs
-PAIRS_CAP_MIN_PROGRAMS = 256  # fp8 decode: 128-register cap from this many (request, KV head) programs
+MERGE_BLOCK = 64  # decode: splits the merge kernel loads at once (past MERGE_SERIAL_MAX of them)
 LONG_PREFILL = 4096  # prefill: KV extent past which 128-position KV tiles beat 32-position ones
 
 
@@ -612,8 +653,6 @@ def pick_config(
     kv_elem: int = 2,
     q_elem: int = 2,
     *,
-    num_seqs: int = 1,
-    num_kv_heads: int = 1,
     max_seq_len: int | None = None,
     smem_budget: int = SMEM_BUDGET,
     baseline: bool = False,
@@ -623,21 +662,30 @@ def pick_config(
     Winners of the H200 variant sweep (docs/BENCHMARKS.md, "Variant sweep"; 32/8 heads,
     head_dim 128, bf16 unless said), per regime:
 
-    - decode, 16-bit cache, >= ``FUSED_MIN_PROGRAMS`` (request, KV head) programs (batch >= 8
-      there): in-kernel split merge + int32 offsets, 3.3-3.5% faster at batch 8 (4 splits),
-      equal at batch 64/256 (1 split). The gain is the offsets' (the merge alone was 0.5-0.7%
-      slower; int32 offsets without it were not timed on decode). With fewer programs (batch
-      1: 16-33 splits merged serially by 8 programs) merge + offsets were 7% slower (the merge
-      alone 11-14%), so the baseline stays.
+    - decode, every cache: int32 offsets, and the split merge kernel (where there is one)
+      reading more than 8 splits in blocks of ``MERGE_BLOCK`` and launched as a programmatic
+      dependent (eighth session: 1.15x at 1 x 32k and 1.21x at 1 x 4k bf16, 33 / 16 splits;
+      the one-by-one loop paid a memory round trip per split; at 4 splits the blocks cost
+      2-3%, hence serial up to 8).
+    - decode, 16-bit cache: the in-kernel merge (``fused_merge``, the second session's pick
+      from 64 programs) is no longer used: the merge kernel as a programmatic dependent was
+      1.5% faster at 8 x 4k and equal at 8 x 32k (eighth session), and 5-14% faster with few
+      programs.
     - decode, fp8 cache, 16-bit q: ``fp8_pairs`` (fifth session: 1.17-1.43x the fp8 baseline
-      over 11 cells, W1's and issue 3's; fused merge + int32 offsets on top were -3% to +2%),
-      with a 128-register cap from ``PAIRS_CAP_MIN_PROGRAMS`` programs (head_dim 128 takes 154
-      registers, 3 programs per SM: 64 x 4k ran 1.36x faster capped, 4 per SM; with few
-      programs, split over the context, the cap cost 2-3%).
-    - prefill, 16-bit q: 5 stages, softmax scale folded into q by the launcher, int32 offsets;
-      KV tiles of 128 positions past ``LONG_PREFILL`` (8k: 1.22x the baseline), else 32
-      positions with a 128-register cap (2 programs per SM; 2k: 1.18x). Other dtypes keep
-      the baseline tile shape, with the same code-path flags.
+      over 11 cells) with a 128-register cap (head_dim 128 takes 154 registers, 3 programs per
+      SM; capped, 4) and context splits aimed at 4 programs per SM (``programs_per_sm``): at
+      batch 8 the old 2-per-SM splits left half the slots empty (8 x 32k: 1.48x -> 1.82x bf16;
+      8 x 4k: 1.37x -> 1.51x, eighth session).
+    - prefill, every dtype: int32 offsets, the softmax scale folded into q by the launcher
+      (``q_fold`` 2; the scale inside the exp2 instead, ``q_fold`` 0, saves that elementwise
+      pass, 1.08x at 2k, but SmolLM2's bf16 logprobs came out further from fp32 with it on
+      the H200 and on the CPU: 0.23 vs 0.20 worst top-5 error, see docs/BENCHMARKS.md).
+      16-bit q, KV extent up to ``LONG_PREFILL``: 128-row q tiles, 32-position KV tiles, 5
+      stages, a 128-register cap (2 programs per SM; the fifth session's 2k winner, 0.5-1%
+      ahead of 256-row tiles there). Past it: 256-row q tiles (64 tokens x 4 heads at GQA 4)
+      over 64-position KV tiles, 3 stages, when there are more than 128 query rows (eighth
+      session, 8k: 1.03-1.04x the fifth session's 128 / 128, 5 stages, which short chunks over
+      long contexts keep). fp32 queries keep the baseline tile shape.
 
     ``baseline``: the untuned configuration (128-position tiles, 3 stages, all variant flags
     off) that ``bench kernels --variants`` times the variants against. Stages, then the KV
@@ -649,19 +697,24 @@ def pick_config(
     sixteen = kv_elem == 2 and q_elem == 2
     if max_query_len * group <= 16:
         block_m, tile_n, warps, stages = max(16, next_pow2(group)), 128, 4, 3
-        if not baseline and sixteen and num_seqs * num_kv_heads >= FUSED_MIN_PROGRAMS:
-            extra = {"fused_merge": True, "offsets32": True}
+        merge = {"offsets32": True, "reduce_block": MERGE_BLOCK, "pdl": True}
+        if not baseline and sixteen:
+            extra = merge
         elif not baseline and kv_elem == 1 and q_elem == 2 and head_dim % 2 == 0:
-            extra = {"fp8_pairs": True}
-            if num_seqs * num_kv_heads >= PAIRS_CAP_MIN_PROGRAMS:
-                extra["maxnreg"] = 128  # 4 programs per SM instead of 3 at head_dim 128
+            # 128 registers: 4 programs per SM instead of 3 at head_dim 128; splits to match
+            extra = {**merge, "fp8_pairs": True, "maxnreg": 128, "programs_per_sm": 4}
     elif d_pad <= 128:
         block_m, tile_n, warps, stages = max(128, next_pow2(group)), 128, 8, 3
         if not baseline:
             extra = {"q_fold": 2, "offsets32": True}
-            if q_elem == 2:
+            long = max(max_seq_len or 0, max_query_len) > LONG_PREFILL
+            wide = max(256, next_pow2(group))  # 256-row q tiles: a K/V tile feeds twice the rows
+            if (q_elem == 2 and long and max_query_len * group > 128
+                    and smem_bytes(wide, 64, 3, head_dim, kv_elem) <= smem_budget):
+                block_m, tile_n = wide, 64
+            elif q_elem == 2:
                 stages = 5
-                if max(max_seq_len or 0, max_query_len) <= LONG_PREFILL:
+                if not long:
                     tile_n, extra["maxnreg"] = 32, 128
     else:
         block_m, tile_n, warps, stages = max(64, next_pow2(group)), 64, 8, 2
@@ -678,6 +731,7 @@ def pick_config(
 
 _SM_COUNT: dict[int, int] = {}
 _SMEM_OPTIN: dict[int, int] = {}
+_HAS_PDL: dict[int, bool] = {}
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 _SEMAPHORES_OLD: list[torch.Tensor] = []  # outgrown buffers stay alive: captured CUDA graphs may use them
 
@@ -729,6 +783,14 @@ def _smem_budget(device: torch.device) -> int:
     return _SMEM_OPTIN[idx]
 
 
+def _has_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch (``griddepcontrol``) exists from sm_90 (Hopper) on."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _HAS_PDL:
+        _HAS_PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+    return _HAS_PDL[idx]
+
+
 def _fits_int32(cache: torch.Tensor) -> bool:
     """Every in-kernel offset into one head of ``cache`` [NB, BS, Hkv, D] (block, slot and
     padded dim; the head is added in 64-bit) is below 2^31."""
@@ -741,15 +803,16 @@ def device_sms(device: torch.device) -> int | None:
     return _sm_count(device) if device.type == "cuda" else None
 
 
-def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, sms: int | None) -> int:
+def pick_num_splits(num_programs: int, max_seq_len: int, tile_n: int, sms: int | None, per_sm: int = 2) -> int:
     """Context splits so few long requests still fill the GPU; 1 on the CPU (``sms`` None, see
     ``device_sms``) or when already full.
 
-    About two programs per SM, each split keeping >= 2 KV tiles (best in H200 sweeps).
+    About ``per_sm`` programs per SM (the config's occupancy), each split keeping >= 2 KV tiles
+    (best in H200 sweeps).
     """
     if sms is None:
         return 1
-    target = 2 * sms
+    target = per_sm * sms
     max_by_len = max(1, triton.cdiv(max_seq_len, tile_n) // 2)
     return int(max(1, min(target // max(num_programs, 1), max_by_len, 64)))
 
@@ -774,18 +837,18 @@ def launch_plan(
     and (with the cache and dtypes) which compiled kernel variant it needs. ``sms``: the GPU's
     multiprocessor count (None: the CPU, no splits)."""
     group = num_heads // num_kv_heads
-    cfg = config or pick_config(max_query_len, group, head_dim, kv_elem, q_elem, num_seqs=num_seqs,
-                                num_kv_heads=num_kv_heads, max_seq_len=max_seq_len, smem_budget=smem_budget)
+    cfg = config or pick_config(max_query_len, group, head_dim, kv_elem, q_elem, max_seq_len=max_seq_len,
+                                smem_budget=smem_budget)
     if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
         raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
-    if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0 or (cfg.fp8_pairs and cfg.lazy_rescale):
+    if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0 or cfg.programs_per_sm < 1 or (cfg.fp8_pairs and cfg.lazy_rescale):
         raise ValueError(f"bad attention config {cfg}")
     block_q = cfg.block_m // group
     decode_only = max_query_len <= 1
     if num_splits is None:
         grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
         busy = min(grid_q, num_seqs * triton.cdiv(max(max_query_len, 1), block_q))  # programs not exiting
-        num_splits = pick_num_splits(busy * num_kv_heads, max_seq_len, cfg.tile_n, sms)
+        num_splits = pick_num_splits(busy * num_kv_heads, max_seq_len, cfg.tile_n, sms, cfg.programs_per_sm)
     if num_splits < 1:
         raise ValueError(f"num_splits must be >= 1, got {num_splits}")
     return cfg, num_splits, decode_only
@@ -797,16 +860,15 @@ def warmup_shapes(num_kv_heads: int, max_num_seqs: int, max_num_batched_tokens: 
     launch variant an engine with these limits can meet: decode-only and mixed grids, short and
     long KV tiles, with and without context splits, few and many (request, KV head) programs.
     Token counts stay small (at most 4096): compiling needs the variant, not the real size."""
-    fused, capped = (-(-m // num_kv_heads) for m in (FUSED_MIN_PROGRAMS, PAIRS_CAP_MIN_PROGRAMS))
-    seqs = sorted({min(n, max_num_seqs) for n in (1, 2, 8, fused, capped, 2 * capped)})
+    seqs = sorted({min(n, max_num_seqs) for n in (1, 2, 8, 64, 512)})
     lens = sorted({min(n, max_model_len) for n in (1, 32, LONG_PREFILL, LONG_PREFILL + 1, max_model_len)})
     most = min(max_num_batched_tokens, 4096)
     out = []
     for n in seqs:
-        for q in (1, 2, 64, 512, most if n == 1 else 0):  # one long prompt: many programs, no split
+        for q in (1, 2, 3, 17, 64, 512, most if n == 1 else 0):  # one long prompt: many programs, no split
             t = n * q
             if 0 < t <= most and q <= max_model_len:
-                out.extend((n, t, q, ln) for ln in lens if ln >= q)
+                out.extend((n, t, q, ln) for ln in {*lens, q} if ln >= q)  # ln = q: a fresh prompt
     return sorted(set(out))
 
 
@@ -925,6 +987,7 @@ def paged_attention(
     dot_dt = dot_dtype(torch.float16 if fp8 and query.dtype != torch.float32 else query.dtype)
     precision = "ieee" if query.dtype == torch.float32 or interpreting() else "tf32"
     opts = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
+    pdl = cfg.pdl and split and not fused and not interpreting() and _has_pdl(device)
     off32 = cfg.offsets32 and _fits_int32(kc) and _fits_int32(vc)
     q_in = query
     if cfg.q_fold == 2:  # fold softmax scale (* log2 e, the kernel's exp2 domain) into q here
@@ -947,14 +1010,16 @@ def paged_attention(
         HEAD_DIM=d, D_PAD=next_pow2(d), FP8=fp8, SLIDING=sliding_window is not None, SPLIT=split,
         DECODE_ONLY=decode_only, DOT_DTYPE=dot_dt, PRECISION=precision,
         Q_FOLD=cfg.q_fold, LAZY=cfg.lazy_rescale, OFF32=off32, V_EARLY=cfg.v_early and fp8, FUSED_MERGE=fused,
-        PAIRS=pairs, PAIRS_ASM=pairs and not interpreting(), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
+        PAIRS=pairs, PAIRS_ASM=pairs and not interpreting(), PDL=pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **opts,
     )  # fmt: skip
     if split and not fused:
         block_h = next_pow2(h) if interpreting() else 1  # the interpreter pays per program
         launch(_reduce_splits_kernel, (t, triton.cdiv(h, block_h)))(
             part, m_buf, l_buf, out, query_start_loc, num_seqs, num_splits, h,
             o_ss, o_st, m_ss, out.stride(0), out.stride(1),
-            HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_H=block_h, num_warps=4,
+            HEAD_DIM=d, D_PAD=next_pow2(d), BLOCK_H=block_h, BLOCK_S=cfg.reduce_block, PDL=pdl, num_warps=4,
+            **({"launch_pdl": True} if pdl else {}),
         )  # fmt: skip
     return out
 

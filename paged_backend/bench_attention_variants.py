@@ -44,12 +44,13 @@ class Variant:
 
     name: str
     cfg: dict[str, Any] = field(default_factory=dict)
-    splits: str = "auto"  # auto (the launcher's pick for this config), x2, /2
+    splits: str = "auto"  # auto (the launcher's pick for this config), x2, /2, or a count ("32")
     kinds: tuple[str, ...] = ("bf16", "fp8")
 
 
 _FO = {"fused_merge": True, "offsets32": True}
 _VE = {**_FO, "v_early": True}
+_P4 = {"fp8_pairs": True, "offsets32": True, "maxnreg": 128, "programs_per_sm": 4}
 DECODE_VARIANTS = [
     Variant("default"),
     Variant("fused", {"fused_merge": True}),
@@ -86,6 +87,46 @@ DECODE_VARIANTS = [
     Variant("pairs t64", {"fp8_pairs": True, "tile_n": 64}, kinds=("fp8",)),
     Variant("pairs t64 splits x2", {"fp8_pairs": True, "tile_n": 64}, "x2", kinds=("fp8",)),
     Variant("pairs stages4", {"fp8_pairs": True, "num_stages": 4}, kinds=("fp8",)),
+    # eighth session: context splits matched to the occupancy (programs_per_sm), fixed split counts
+    Variant("o32", {"offsets32": True}, kinds=("bf16",)),
+    Variant("o32 maxnreg168 sm3", {"offsets32": True, "maxnreg": 168, "programs_per_sm": 3}, kinds=("bf16",)),
+    Variant("fo32 maxnreg168 sm3", {**_FO, "maxnreg": 168, "programs_per_sm": 3}, kinds=("bf16",)),
+    Variant("o32 n32", {"offsets32": True}, "32", kinds=("bf16",)),
+    Variant("pairs sm3", {"fp8_pairs": True, "programs_per_sm": 3}, kinds=("fp8",)),
+    Variant("pairs o32 sm3", {"fp8_pairs": True, "offsets32": True, "programs_per_sm": 3}, kinds=("fp8",)),
+    Variant("pairs fo32 sm3", {**_FO, "fp8_pairs": True, "programs_per_sm": 3}, kinds=("fp8",)),
+    Variant("pairs maxnreg128 sm4", {"fp8_pairs": True, "maxnreg": 128, "programs_per_sm": 4}, kinds=("fp8",)),
+    Variant("pairs o32 maxnreg128 sm4", {"fp8_pairs": True, "offsets32": True, "maxnreg": 128,
+                                         "programs_per_sm": 4}, kinds=("fp8",)),
+    Variant("pairs fo32 maxnreg128 sm4", {**_FO, "fp8_pairs": True, "maxnreg": 128, "programs_per_sm": 4},
+            kinds=("fp8",)),
+    Variant("pairs stages4 sm3", {"fp8_pairs": True, "num_stages": 4, "programs_per_sm": 3}, kinds=("fp8",)),
+    Variant("pairs t64 maxnreg128 sm4", {"fp8_pairs": True, "tile_n": 64, "maxnreg": 128, "programs_per_sm": 4},
+            kinds=("fp8",)),
+    Variant("pairs o32 n32", {"fp8_pairs": True, "offsets32": True}, "32", kinds=("fp8",)),
+    Variant("pairs o32 n64", {"fp8_pairs": True, "offsets32": True}, "64", kinds=("fp8",)),
+    Variant("pairs o32 maxnreg128 n64", {"fp8_pairs": True, "offsets32": True, "maxnreg": 128}, "64",
+            kinds=("fp8",)),
+    # eighth session: split merge loading all splits at once (rb), launched programmatically dependent (pdl)
+    Variant("new fused", {**_FO, "reduce_block": 64, "pdl": True}, kinds=("bf16",)),
+    Variant("new", {"offsets32": True, "reduce_block": 64, "pdl": True}, kinds=("bf16",)),  # the new default
+    Variant("new fp8", {**_P4, "reduce_block": 64, "pdl": True}, kinds=("fp8",)),  # the new default
+    Variant("new sm3", {"offsets32": True, "reduce_block": 64, "pdl": True, "programs_per_sm": 3}, kinds=("bf16",)),
+    Variant("new t64 stages4", {"offsets32": True, "reduce_block": 64, "pdl": True, "tile_n": 64, "num_stages": 4},
+            kinds=("bf16",)),
+    Variant("new fp8 t64 stages4", {**_P4, "reduce_block": 64, "pdl": True, "tile_n": 64, "num_stages": 4},
+            kinds=("fp8",)),
+    Variant("rb o32", {"offsets32": True, "reduce_block": 64}, kinds=("bf16",)),
+    Variant("pdl o32", {"offsets32": True, "pdl": True}, kinds=("bf16",)),
+    Variant("rb pdl o32", {"offsets32": True, "reduce_block": 64, "pdl": True}, kinds=("bf16",)),
+    Variant("rb pdl o32 n64", {"offsets32": True, "reduce_block": 64, "pdl": True}, "64", kinds=("bf16",)),
+    Variant("rb pdl o32 n8", {"offsets32": True, "reduce_block": 64, "pdl": True}, "8", kinds=("bf16",)),
+    Variant("rb pairs o32 cap sm4", {**_P4, "reduce_block": 64}, kinds=("fp8",)),
+    Variant("rb pdl pairs o32 cap sm4", {**_P4, "reduce_block": 64, "pdl": True}, kinds=("fp8",)),
+    Variant("rb pdl pairs o32 sm3", {"fp8_pairs": True, "offsets32": True, "programs_per_sm": 3,
+                                     "reduce_block": 64, "pdl": True}, kinds=("fp8",)),
+    Variant("rb pdl pairs o32 cap n64", {**_P4, "reduce_block": 64, "pdl": True}, "64", kinds=("fp8",)),
+    Variant("rb pdl pairs o32 cap n16", {**_P4, "reduce_block": 64, "pdl": True}, "16", kinds=("fp8",)),
 ]
 
 _F2 = {"q_fold": 2, "offsets32": True}
@@ -100,6 +141,26 @@ PREFILL_VARIANTS = [
     Variant("fold2 o32 t64 stages5", {**_F2, "tile_n": 64, "num_stages": 5}),
     Variant("fold2 o32 t32 stages5 maxnreg128", {**_F2, "tile_n": 32, "num_stages": 5, "maxnreg": 128}),  # 2 CTAs/SM
     Variant("fold2 o32 m64 t64 w4 stages5", {**_F2, "block_m": 64, "tile_n": 64, "num_warps": 4, "num_stages": 5}),
+    # eighth session: 256-row q tiles (each K/V tile feeds twice the rows), one warpgroup per 128 rows
+    Variant("m256 t64 stages3", {**_F2, "block_m": 256, "tile_n": 64, "num_stages": 3}),
+    Variant("m256 t64 stages4", {**_F2, "block_m": 256, "tile_n": 64, "num_stages": 4}),
+    Variant("m256 t64 stages5", {**_F2, "block_m": 256, "tile_n": 64, "num_stages": 5}),
+    Variant("m256 t64 w16 stages4", {**_F2, "block_m": 256, "tile_n": 64, "num_warps": 16, "num_stages": 4}),
+    Variant("m256 t128 w16 stages3", {**_F2, "block_m": 256, "tile_n": 128, "num_warps": 16, "num_stages": 3}),
+    Variant("fold0 t32 stages5 maxnreg128", {"offsets32": True, "tile_n": 32, "num_stages": 5, "maxnreg": 128}),
+    Variant("fold1 t32 stages5 maxnreg128", {"q_fold": 1, "offsets32": True, "tile_n": 32, "num_stages": 5,
+                                             "maxnreg": 128}),
+    Variant("fold0 stages5", {"offsets32": True, "num_stages": 5}),
+    Variant("fold1 stages5", {"q_fold": 1, "offsets32": True, "num_stages": 5}),
+    Variant("fold0 m256 t64 stages3", {"offsets32": True, "block_m": 256, "tile_n": 64, "num_stages": 3}),
+    Variant("fold0 m256 t64 stages4", {"offsets32": True, "block_m": 256, "tile_n": 64, "num_stages": 4}),
+    Variant("fold1 m256 t64 stages3", {"q_fold": 1, "offsets32": True, "block_m": 256, "tile_n": 64,
+                                       "num_stages": 3}),
+    Variant("m256 t32 stages4", {**_F2, "block_m": 256, "tile_n": 32, "num_stages": 4}),
+    Variant("m256 t128 stages3", {**_F2, "block_m": 256, "tile_n": 128, "num_stages": 3}),
+    Variant("m128 t64 w4 stages4", {**_F2, "tile_n": 64, "num_warps": 4, "num_stages": 4}),
+    Variant("m128 t128 w4 stages4", {**_F2, "tile_n": 128, "num_warps": 4, "num_stages": 4}),
+    Variant("m128 t64 stages5 maxnreg128", {**_F2, "tile_n": 64, "num_stages": 5, "maxnreg": 128}),
 ]
 
 
@@ -155,7 +216,9 @@ class VariantSweep:
         if v.name == "default":
             return None, None
         cfg = replace(pick_config(1, a.heads // a.kv_heads, a.head_dim, kv_elem, baseline=True), **v.cfg)
-        auto = pick_num_splits(b * a.kv_heads, c, cfg.tile_n, device_sms(self.dev))
+        auto = pick_num_splits(b * a.kv_heads, c, cfg.tile_n, device_sms(self.dev), cfg.programs_per_sm)
+        if v.splits.isdigit():  # a fixed count, if every split keeps a KV tile
+            return (cfg, int(v.splits)) if int(v.splits) * cfg.tile_n <= c else None
         if v.splits == "x2":
             more = min(2 * auto, max(1, c // (2 * cfg.tile_n)))  # keep >= 2 KV tiles per split
             return (cfg, more) if more > auto else None
@@ -229,8 +292,8 @@ class VariantSweep:
             ok_variants.append((v, cfg, ns, err))
         times = self._time_graphs(
             [[lambda x=x, cfg=cfg, ns=ns: call(x, cfg, ns) for x in inputs] for _, cfg, ns, _ in ok_variants])
-        base = pick_config(1, a.heads // hkv, d, elem, num_seqs=b, num_kv_heads=hkv)  # what 'default' runs
-        auto = pick_num_splits(b * hkv, c, base.tile_n, device_sms(self.dev))
+        base = pick_config(1, a.heads // hkv, d, elem)  # what 'default' runs
+        auto = pick_num_splits(b * hkv, c, base.tile_n, device_sms(self.dev), base.programs_per_sm)
         self.say(f"\n== decode {kind} batch {b} x ctx {c}: KV {kv_bytes / 1e6:.0f} MB, {copies} copies per "
                  f"replay, default splits {auto}")
         self.say(f"  {'variant':<20} {'splits':>6} {'tile/warps/stages':>17} {'ms':>8} {'GB/s':>6} {'%peak':>6} "
@@ -240,7 +303,8 @@ class VariantSweep:
             if ms is None:
                 continue
             cfg_used = cfg or base
-            splits = ns or pick_num_splits(b * hkv, c, cfg_used.tile_n, device_sms(self.dev))
+            splits = ns or pick_num_splits(b * hkv, c, cfg_used.tile_n, device_sms(self.dev),
+                                           cfg_used.programs_per_sm)
             err2 = self._rel_err(call(inputs[0], cfg, ns)[:n], ref)
             bw = (kv_bytes + io_bytes) / (ms * 1e-3)
             if v.name == "default":
