@@ -73,7 +73,11 @@ from paged_backend.kernels._launch import (
     scale_tensor,
 )
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+try:  # programmatic dependent launch (Triton >= 3.3); without it ``pdl`` configs run as plain launches
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:
+    gdc_launch_dependents = gdc_wait = None
 
 LOG2E = 1.4426950408889634
 LOG2E_C = tl.constexpr(LOG2E)
@@ -784,10 +788,11 @@ def _smem_budget(device: torch.device) -> int:
 
 
 def _has_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch (``griddepcontrol``) exists from sm_90 (Hopper) on."""
+    """Programmatic dependent launch (``griddepcontrol``) exists from sm_90 (Hopper) on, and in
+    Triton from 3.3 (``gdc_wait`` / ``launch_pdl``)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     if idx not in _HAS_PDL:
-        _HAS_PDL[idx] = torch.cuda.get_device_capability(idx)[0] >= 9
+        _HAS_PDL[idx] = gdc_wait is not None and torch.cuda.get_device_capability(idx)[0] >= 9
     return _HAS_PDL[idx]
 
 

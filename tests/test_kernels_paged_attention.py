@@ -263,6 +263,14 @@ def test_split_merge_in_blocks(num_splits, block, fp8):
     check(out, ref, torch.bfloat16)
 
 
+def test_pdl_needs_hopper_and_a_triton_with_gdc(monkeypatch):
+    """Programmatic dependent launch only where Triton has ``gdc_wait`` (3.3+) and the GPU is sm_90+;
+    elsewhere a ``pdl`` config launches the merge kernel plainly (older Tritons import fine)."""
+    monkeypatch.setattr(pa, "_HAS_PDL", {})
+    monkeypatch.setattr(pa, "gdc_wait", None)
+    assert not pa._has_pdl(torch.device("cuda", 0))
+
+
 def test_num_splits_follow_the_occupancy():
     """Context splits aim at ``programs_per_sm`` programs per SM, each split keeping 2+ KV tiles."""
     assert pa.pick_num_splits(64, 32768, 128, 132) == 4  # 2 per SM: 264 // 64
