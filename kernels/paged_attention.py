@@ -626,7 +626,7 @@ class AttentionConfig:
 
 SMEM_BUDGET = 227 * 1024  # shared memory one program may use: the H200's per-block opt-in maximum, 232,448 B
 MERGE_BLOCK = 64  # decode: splits the merge kernel loads at once (past MERGE_SERIAL_MAX of them)
-LONG_PREFILL = 4096  # prefill: KV extent past which 128-position KV tiles beat 32-position ones
+LONG_PREFILL = 4096  # prefill: KV extent past which 32-position KV tiles give way to longer ones
 
 
 def smem_bytes(block_m: int, tile_n: int, stages: int, head_dim: int, kv_elem: int = 2, q_elem: int = 2) -> int:
@@ -673,7 +673,7 @@ def pick_config(
       2-3%, hence serial up to 8).
     - decode, 16-bit cache: the in-kernel merge (``fused_merge``, the second session's pick
       from 64 programs) is no longer used: the merge kernel as a programmatic dependent was
-      1.5% faster at 8 x 4k and equal at 8 x 32k (eighth session), and 5-14% faster with few
+      1.5% faster at 8 x 4k and equal at 8 x 32k (eighth session), and 5-24% faster with few
       programs.
     - decode, fp8 cache, 16-bit q: ``fp8_pairs`` (fifth session: 1.17-1.43x the fp8 baseline
       over 11 cells) with a 128-register cap (head_dim 128 takes 154 registers, 3 programs per
