@@ -581,13 +581,10 @@ def _reduce_splits_kernel(
             p_off = s[:, None, None].to(tl.int64) * stride_ps + t * stride_pt + h[None, :, None] * HEAD_DIM
             part = tl.load(part_ptr + p_off + d[None, None, :], mask=sm_mask[:, :, None] & mask[None, :, :],
                            other=0.0)
-            m_new = tl.maximum(m_run, tl.max(m, axis=0))
-            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-            w = tl.math.exp2(m - m_use[None, :])  # [S, H]; absent splits: exp2(-inf) = 0
-            a = tl.math.exp2(m_run - m_use)
-            l_run = l_run * a + tl.sum(l_s * w, axis=0)
-            acc = acc * a[:, None] + tl.sum(part * w[:, :, None], axis=0)
-            m_run = m_new
+            m_c = tl.max(m, axis=0)  # the chunk as one split, then merged like one
+            w = tl.math.exp2(m - tl.where(m_c == float("-inf"), 0.0, m_c)[None, :])  # absent splits: 0
+            acc, m_run, l_run = _merge_split(acc, m_run, l_run, tl.sum(part * w[:, :, None], axis=0), m_c,
+                                             tl.sum(l_s * w, axis=0))
     for s in range(n_serial):
         ml_off = s * stride_ms + t * num_heads + h
         m = tl.load(m_ptr + ml_off, mask=hmask, other=float("-inf"))
@@ -733,9 +730,7 @@ def pick_config(
     return AttentionConfig(block_m=block_m, tile_n=tile_n, num_warps=warps, num_stages=stages, **extra)
 
 
-_SM_COUNT: dict[int, int] = {}
-_SMEM_OPTIN: dict[int, int] = {}
-_HAS_PDL: dict[int, bool] = {}
+_DEVICE_FACTS: dict[tuple[str, int], object] = {}  # (fact, CUDA device index) -> value, looked up once
 _SEMAPHORES: dict[torch.device, torch.Tensor] = {}
 _SEMAPHORES_OLD: list[torch.Tensor] = []  # outgrown buffers stay alive: captured CUDA graphs may use them
 
@@ -769,31 +764,30 @@ def _split_semaphores(device: torch.device, n: int) -> torch.Tensor | None:
     return buf
 
 
-def _sm_count(device: torch.device) -> int:
+def _device_fact(name: str, device: torch.device, compute):
+    """``compute(index)`` for a CUDA device, cached per (name, device index)."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SM_COUNT:
-        _SM_COUNT[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SM_COUNT[idx]
+    if (name, idx) not in _DEVICE_FACTS:
+        _DEVICE_FACTS[name, idx] = compute(idx)
+    return _DEVICE_FACTS[name, idx]
+
+
+def _sm_count(device: torch.device) -> int:
+    return _device_fact("sms", device, lambda i: torch.cuda.get_device_properties(i).multi_processor_count)
 
 
 def _smem_budget(device: torch.device) -> int:
     """Per-program shared memory a config may plan for: the device's opt-in maximum on CUDA."""
     if device.type != "cuda":
         return SMEM_BUDGET
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMEM_OPTIN:
-        props = torch.cuda.get_device_properties(idx)
-        _SMEM_OPTIN[idx] = int(getattr(props, "shared_memory_per_block_optin", 0) or SMEM_BUDGET)
-    return _SMEM_OPTIN[idx]
+    return _device_fact("smem", device, lambda i: int(
+        getattr(torch.cuda.get_device_properties(i), "shared_memory_per_block_optin", 0) or SMEM_BUDGET))
 
 
 def _has_pdl(device: torch.device) -> bool:
     """Programmatic dependent launch (``griddepcontrol``) exists from sm_90 (Hopper) on, and in
     Triton from 3.3 (``gdc_wait`` / ``launch_pdl``)."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _HAS_PDL:
-        _HAS_PDL[idx] = gdc_wait is not None and torch.cuda.get_device_capability(idx)[0] >= 9
-    return _HAS_PDL[idx]
+    return _device_fact("pdl", device, lambda i: gdc_wait is not None and torch.cuda.get_device_capability(i)[0] >= 9)
 
 
 def _fits_int32(cache: torch.Tensor) -> bool:

@@ -108,9 +108,8 @@ DECODE_VARIANTS = [
     Variant("pairs o32 maxnreg128 n64", {"fp8_pairs": True, "offsets32": True, "maxnreg": 128}, "64",
             kinds=("fp8",)),
     # eighth session: split merge loading all splits at once (rb), launched programmatically dependent (pdl)
+    # ("new": the eighth-session defaults, timed against these as 'default')
     Variant("new fused", {**_FO, "reduce_block": 64, "pdl": True}, kinds=("bf16",)),
-    Variant("new", {"offsets32": True, "reduce_block": 64, "pdl": True}, kinds=("bf16",)),  # the new default
-    Variant("new fp8", {**_P4, "reduce_block": 64, "pdl": True}, kinds=("fp8",)),  # the new default
     Variant("new sm3", {"offsets32": True, "reduce_block": 64, "pdl": True, "programs_per_sm": 3}, kinds=("bf16",)),
     Variant("new t64 stages4", {"offsets32": True, "reduce_block": 64, "pdl": True, "tile_n": 64, "num_stages": 4},
             kinds=("bf16",)),

@@ -266,7 +266,7 @@ def test_split_merge_in_blocks(num_splits, block, fp8):
 def test_pdl_needs_hopper_and_a_triton_with_gdc(monkeypatch):
     """Programmatic dependent launch only where Triton has ``gdc_wait`` (3.3+) and the GPU is sm_90+;
     elsewhere a ``pdl`` config launches the merge kernel plainly (older Tritons import fine)."""
-    monkeypatch.setattr(pa, "_HAS_PDL", {})
+    monkeypatch.setattr(pa, "_DEVICE_FACTS", {})
     monkeypatch.setattr(pa, "gdc_wait", None)
     assert not pa._has_pdl(torch.device("cuda", 0))
 
