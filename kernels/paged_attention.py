@@ -34,7 +34,8 @@ programs_per_sm 4; prefill q_fold 2 + offsets32 (and its own tile shapes); lazy_
 v_early and (since the eighth session) fused_merge are opt-in only)::
 
     q_fold        0: scores scaled per tile; 1: softmax scale * log2(e) folded into q in the
-                  kernel; 2: folded by the launcher (one elementwise op; q then feeds the MMA as loaded)
+                  kernel; 2: folded by the launcher (one elementwise op; q then feeds the MMA as
+                  loaded), or by the caller (``q_scaled``: the engine's rotary kernel)
     lazy_rescale  rescale the output accumulator only when a row's max grows by > 2^8
     offsets32     int32 K/V offsets when the cache is small enough (the launcher checks; else int64)
     v_early       fp8: upcast V in the load layout and stage fp16 for the MMA (otherwise the
@@ -678,7 +679,8 @@ def pick_config(
       batch 8 the old 2-per-SM splits left half the slots empty (8 x 32k: 1.48x -> 1.82x bf16;
       8 x 4k: 1.37x -> 1.51x, eighth session).
     - prefill, every dtype: int32 offsets, the softmax scale folded into q by the launcher
-      (``q_fold`` 2; the scale inside the exp2 instead, ``q_fold`` 0, saves that elementwise
+      (``q_fold`` 2; in the engine the rotary kernel folds it in instead, ``query_prescale``,
+      and the launcher's pass over q goes; the scale inside the exp2 instead, ``q_fold`` 0, saves that elementwise
       pass, 1.08x at 2k, but SmolLM2's bf16 logprobs came out further from fp32 with it on
       the H200 and on the CPU: 0.23 vs 0.20 worst top-5 error, see docs/BENCHMARKS.md).
       16-bit q, KV extent up to ``LONG_PREFILL``: 128-row q tiles, 32-position KV tiles, 5
@@ -797,6 +799,21 @@ def _fits_int32(cache: torch.Tensor) -> bool:
     return (nb - 1) * cache.stride(0) + (bs - 1) * cache.stride(1) + next_pow2(cache.shape[-1]) < 2**31
 
 
+def query_prescale(query: torch.Tensor, kv_cache: torch.Tensor, scale: float, max_query_len: int,
+                   max_seq_len: int) -> float | None:
+    """Where ``paged_attention`` (default config) would multiply q by the softmax scale x log2(e)
+    itself (``q_fold`` 2: prefill), that factor, else None. A caller that writes q anyway (the
+    engine's rotary kernel, ``rotary(q_scale=)``) multiplies it in there, rounded as the
+    launcher's ``torch.mul`` rounds it, and passes ``q_scaled=True``: the kernel gets the same bits
+    without the launcher's elementwise pass over q."""
+    hkv, d = kv_cache.shape[3], query.shape[2]
+    if hkv == 0 or query.shape[1] % hkv:
+        return None  # (paged_attention raises)
+    cfg = pick_config(max_query_len, query.shape[1] // hkv, d, kv_cache.element_size(), query.element_size(),
+                      max_seq_len=max_seq_len, smem_budget=_smem_budget(query.device))
+    return scale * LOG2E if cfg.q_fold == 2 else None
+
+
 def device_sms(device: torch.device) -> int | None:
     """The multiprocessor count of a CUDA device; None on the CPU (no context splits there)."""
     return _sm_count(device) if device.type == "cuda" else None
@@ -911,6 +928,7 @@ def paged_attention(
     config: AttentionConfig | None = None,
     out: torch.Tensor | None = None,
     compile_only: bool = False,
+    q_scaled: bool = False,
 ) -> torch.Tensor:  # [T, H, D], dtype of query
     """Triton twin of ``paged_attention_ref``. Rows at or past ``query_start_loc[-1]`` are not written.
 
@@ -918,6 +936,9 @@ def paged_attention(
     device sync when omitted); they pick the tile shape (``config`` forces it), the number of
     context splits (``num_splits`` forces it) and, when ``max_query_len <= 1``, the
     decode-only grid (one program per request and KV head, no search).
+
+    ``q_scaled``: ``query`` already carries the softmax scale x log2(e) (``query_prescale``); the
+    kernel then takes it as it is (``q_fold`` 2 whatever the config says).
 
     ``compile_only`` compiles the kernels this call would launch and launches nothing (``out``
     is returned unwritten); under Triton's ``AsyncCompileMode`` the compiles run on its
@@ -989,7 +1010,8 @@ def paged_attention(
     pdl = cfg.pdl and split and not fused and not interpreting() and _has_pdl(device)
     off32 = cfg.offsets32 and _fits_int32(kc) and _fits_int32(vc)
     q_in = query
-    if cfg.q_fold == 2:  # fold softmax scale (* log2 e, the kernel's exp2 domain) into q here
+    q_fold = 2 if q_scaled else cfg.q_fold
+    if cfg.q_fold == 2 and not q_scaled:  # fold softmax scale (* log2 e, the kernel's exp2 domain) into q here
         q_in = torch.mul(query, scale * LOG2E)
     if compile_only and interpreting():
         return out
@@ -1008,7 +1030,7 @@ def paged_attention(
         G=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, BLOCK_SIZE=bs,
         HEAD_DIM=d, D_PAD=next_pow2(d), FP8=fp8, SLIDING=sliding_window is not None, SPLIT=split,
         DECODE_ONLY=decode_only, DOT_DTYPE=dot_dt, PRECISION=precision,
-        Q_FOLD=cfg.q_fold, LAZY=cfg.lazy_rescale, OFF32=off32, V_EARLY=cfg.v_early and fp8, FUSED_MERGE=fused,
+        Q_FOLD=q_fold, LAZY=cfg.lazy_rescale, OFF32=off32, V_EARLY=cfg.v_early and fp8, FUSED_MERGE=fused,
         PAIRS=pairs, PAIRS_ASM=pairs and not interpreting(), PDL=pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages, **opts,
     )  # fmt: skip

@@ -5,6 +5,11 @@ sin in ``[:, D/2:]`` (llama3/linear scaling are baked into it by ``rope_inv_freq
 
     out[:half] = x1 * cos - x2 * sin        out[half:] = x2 * cos + x1 * sin
 
+``q_scale`` (the attention backend's ``query_scale``: the softmax scale times log2(e) where the
+paged-attention kernel takes q pre-scaled) multiplies the rotated query, rounded to the dtype
+first and once more after the product, as ``torch.mul`` would: the attention launcher's own
+elementwise pass over q, folded into this one.
+
 Every product and sum is rounded to the activation dtype as torch (and HF) round them,
 so the interpreter matches the reference bit for bit; compiled, LLVM may narrow a
 product and the sum to bf16/fp16 and fuse them into one FMA (one rounding instead of
@@ -38,9 +43,11 @@ def _store_rotated(
     cos,  # [HALF_PAD] float32, already rounded to the dtype
     sin,
     num_heads,
+    scale,  # SCALE: the rounded results times this, rounded again
     HALF: tl.constexpr,
     H_PAD: tl.constexpr,
     HALF_PAD: tl.constexpr,
+    SCALE: tl.constexpr,
 ):
     dt = o_ptr.dtype.element_ty
     h = tl.arange(0, H_PAD)[:, None]
@@ -52,8 +59,13 @@ def _store_rotated(
     b1 = (-x2 * s).to(dt).to(tl.float32)
     a2 = (x2 * c).to(dt).to(tl.float32)
     b2 = (x1 * s).to(dt).to(tl.float32)
-    tl.store(o_ptr + h * (2 * HALF) + i, (a1 + b1).to(dt), mask=mask)
-    tl.store(o_ptr + h * (2 * HALF) + HALF + i, (a2 + b2).to(dt), mask=mask)
+    lo = (a1 + b1).to(dt)
+    hi = (a2 + b2).to(dt)
+    if SCALE:
+        lo = (lo.to(tl.float32) * scale).to(dt)
+        hi = (hi.to(tl.float32) * scale).to(dt)
+    tl.store(o_ptr + h * (2 * HALF) + i, lo, mask=mask)
+    tl.store(o_ptr + h * (2 * HALF) + HALF + i, hi, mask=mask)
 
 
 @triton.jit
@@ -71,10 +83,12 @@ def _rotary_kernel(
     stride_kt,
     stride_kh,
     stride_cs,
+    q_scale,  # SCALE_Q: multiplies the rotated query
     HALF: tl.constexpr,
     HALF_PAD: tl.constexpr,
     HQ_PAD: tl.constexpr,
     HK_PAD: tl.constexpr,
+    SCALE_Q: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     # every load first: stores to the outputs could alias them, so nothing moves past a store
@@ -86,8 +100,10 @@ def _rotary_kernel(
     dt = qo_ptr.dtype.element_ty
     cos = tl.load(cs_ptr + pos * stride_cs + i, mask=imask, other=0.0).to(dt).to(tl.float32)
     sin = tl.load(cs_ptr + pos * stride_cs + HALF + i, mask=imask, other=0.0).to(dt).to(tl.float32)
-    _store_rotated(qo_ptr + t * num_q_heads * (2 * HALF), q1, q2, cos, sin, num_q_heads, HALF, HQ_PAD, HALF_PAD)
-    _store_rotated(ko_ptr + t * num_k_heads * (2 * HALF), k1, k2, cos, sin, num_k_heads, HALF, HK_PAD, HALF_PAD)
+    _store_rotated(qo_ptr + t * num_q_heads * (2 * HALF), q1, q2, cos, sin, num_q_heads, q_scale, HALF, HQ_PAD,
+                   HALF_PAD, SCALE_Q)
+    _store_rotated(ko_ptr + t * num_k_heads * (2 * HALF), k1, k2, cos, sin, num_k_heads, 1.0, HALF, HK_PAD,
+                   HALF_PAD, False)
 
 
 def rotary(
@@ -95,8 +111,10 @@ def rotary(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # float32 [max_positions, D]
+    q_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns new contiguous rotated (query, key) in their dtype (inputs may be strided views)."""
+    """Returns new contiguous rotated (query, key) in their dtype (inputs may be strided views);
+    ``q_scale`` multiplies the rotated query (see the module docstring)."""
     check_tensor("query", query, ndim=3, dtypes=FLOAT_DTYPES)
     device = check_device(query, "query")
     t, h, d = query.shape
@@ -127,10 +145,12 @@ def rotary(
         key.stride(0),
         key.stride(1),
         cos_sin_cache.stride(0),
+        float(q_scale) if q_scale is not None else 1.0,
         HALF=half,
         HALF_PAD=half_pad,
         HQ_PAD=hq_pad,
         HK_PAD=hk_pad,
+        SCALE_Q=q_scale is not None,
         num_warps=4 if hq_pad * half_pad <= 2048 else 8,
     )
     return q_out, k_out

@@ -56,10 +56,15 @@ def rotary_ref(
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [T, Hkv, D]
     cos_sin_cache: torch.Tensor,  # float32 [max_positions, D]
+    q_scale: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Returns rotated (query, key) in their dtype; cos/sin are cast to that dtype first (as HF)."""
+    """Returns rotated (query, key) in their dtype; cos/sin are cast to that dtype first (as HF).
+    ``q_scale`` multiplies the rotated query (one more rounding to its dtype)."""
     cs = cos_sin_cache[positions.long()]
     half = cs.shape[-1] // 2
     cos = cs[:, None, :half].to(query.dtype)
     sin = cs[:, None, half:].to(query.dtype)
-    return _rotate(query, cos, sin), _rotate(key, cos, sin)
+    q = _rotate(query, cos, sin)
+    if q_scale is not None:
+        q = torch.mul(q, q_scale)
+    return q, _rotate(key, cos, sin)

@@ -88,8 +88,8 @@ SCALINGS = {
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (8, 2, 128), (4, 1, 80)])
-@pytest.mark.parametrize("scaling", ["default", "llama3"])
-def test_rotary(dtype, heads, kv_heads, head_dim, scaling):
+@pytest.mark.parametrize("scaling,q_scale", [("default", None), ("llama3", None), ("default", 0.18033688)])
+def test_rotary(dtype, heads, kv_heads, head_dim, scaling, q_scale):
     t = 6 * BIG
     # q, k as views of a fused qkv projection output, like the model passes them
     qkv = rand((t, heads + 2 * kv_heads, head_dim), dtype, 7)
@@ -97,9 +97,11 @@ def test_rotary(dtype, heads, kv_heads, head_dim, scaling):
     table = rope_cos_sin_cache(rope_inv_freq(head_dim, 10000.0, SCALINGS[scaling]), 2048).to(DEVICE)
     g = torch.Generator().manual_seed(8)
     pos = torch.randint(0, 2048, (t,), generator=g).to(DEVICE)
-    qo, ko = rotary(pos, q, k, table)
-    qr, kr = rotary_ref(pos.cpu(), q.cpu(), k.cpu(), table.cpu())
+    qo, ko = rotary(pos, q, k, table, q_scale)
+    qr, kr = rotary_ref(pos.cpu(), q.cpu(), k.cpu(), table.cpu(), q_scale)
     assert qo.shape == q.shape and ko.shape == k.shape and qo.dtype == dtype
+    if q_scale is not None:  # the rounded rotation times the scale, rounded again (torch.mul)
+        assert torch.equal(qr, torch.mul(rotary_ref(pos.cpu(), q.cpu(), k.cpu(), table.cpu())[0], q_scale))
     # every product and sum is rounded as torch rounds them (bit-exact in the interpreter); compiled,
     # a product and the sum may fuse into one FMA: one rounding of the dtype apart
     torch.testing.assert_close(qo.cpu(), qr, rtol=eps(dtype), atol=eps(dtype))

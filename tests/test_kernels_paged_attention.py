@@ -127,6 +127,32 @@ def test_context_splits(num_splits, batch):
     check(out, ref, torch.bfloat16)
 
 
+@pytest.mark.parametrize("batch,fp8", [("mixed", False), ("mixed", True), ("decode", False), ("decode", True)])
+def test_q_scaled(batch, fp8):
+    """q already multiplied by the softmax scale x log2(e) (the engine's rotary does it, with
+    ``query_prescale``'s factor): where the launcher would fold it (prefill), the same bits out;
+    on a decode config (which scales scores instead) still the reference's result."""
+    reqs = scaled(MIXED if batch == "mixed" else DECODE)
+    dtype = torch.bfloat16
+    q, kv, bt, sl, qsl = make_batch(reqs, 8, 2, 64, 16, dtype, fp8=fp8, seed=4)
+    ks, vs = (torch.tensor(0.7, device=DEVICE), torch.tensor(1.3, device=DEVICE)) if fp8 else (None, None)
+    qlens = [n for _, n in reqs]
+    mq, ms = max(qlens), int(sl.max())
+    factor = pa.query_prescale(q, kv, 0.125, mq, ms)
+    if batch == "decode":
+        assert factor is None
+        factor = 0.125 * pa.LOG2E
+    else:
+        assert factor == 0.125 * pa.LOG2E
+    kw = dict(max_query_len=mq, max_seq_len=ms)
+    out, ref = run_both(torch.mul(q, factor), kv, bt, sl, qsl, 0.125, ks, vs, q_scaled=True, **kw)
+    ref = paged_attention_ref(q.cpu(), kv.cpu(), bt.cpu(), sl.cpu(), qsl.cpu(), 0.125,
+                              None if ks is None else ks.cpu(), None if vs is None else vs.cpu())
+    check(out, ref, dtype)
+    if batch == "mixed":
+        assert torch.equal(out, paged_attention(q, kv, bt, sl, qsl, 0.125, ks, vs, **kw))
+
+
 @pytest.mark.parametrize("window,num_splits", [(1, 1), (8, 1), (40, 1), (40, 3)])
 def test_sliding_window(window, num_splits):
     reqs = scaled([(70, 1), (0, 30), (45, 20), (3, 1)])

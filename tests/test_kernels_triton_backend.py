@@ -83,6 +83,12 @@ def test_backend_matches_torch_over_steps(heads, kv_heads, head_dim, block_size,
         k = (torch.randn((t, kv_heads, head_dim), generator=g) * 2).to(dtype).to(DEVICE)
         v = (torch.randn((t, kv_heads, head_dim), generator=g) * 2).to(dtype).to(DEVICE)
         out = triton_b.forward(q, k, v, cache_t, meta, head_dim**-0.5, ks, vs)
+        # prefill steps: the layer's rotary folds the kernel's q scale in; the kernel sees the same bits
+        factor = triton_b.query_scale(q, cache_t, meta, head_dim**-0.5)
+        assert (factor is None) == (meta.max_query_len == 1)
+        if factor is not None:
+            again = triton_b.forward(torch.mul(q, factor), k, v, cache_t, meta, head_dim**-0.5, ks, vs, q_scaled=True)
+            assert torch.equal(again, out)
         ref = torch_b.forward(q.cpu(), k.cpu(), v.cpu(), cache_r, _cpu(meta), head_dim**-0.5, ks.cpu(), vs.cpu())
         assert not out.isnan().any()
         tol = 1e-5 if dtype == torch.float32 else 3e-2

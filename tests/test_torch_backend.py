@@ -7,6 +7,7 @@ slot that reaches the output shows as NaN; ``torch.empty`` is NaN-filled too.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import pytest
@@ -105,6 +106,18 @@ MIXED = [(37, 1), (0, 19), (23, 9), (64, 1), (0, 1), (5, 3)]  # decode, prefill,
 def test_matches_reference(heads, kv_heads, batch):
     reqs = {"equal": DECODE_EQUAL, "ragged": DECODE_RAGGED, "mixed": MIXED}[batch]
     check(*run_both(*make_step(reqs, heads, kv_heads)))
+
+
+@pytest.mark.parametrize("batch", ["ragged", "mixed"])
+def test_q_scaled(batch):
+    """q carrying scale x log2(e) (``q_scaled``, as the Triton backend's callers pass it): the same
+    attention; this backend asks for no such factor."""
+    q, k, v, cache, meta = make_step(DECODE_RAGGED if batch == "ragged" else MIXED, 9, 3, seed=5)
+    backend = TorchAttentionBackend()
+    assert backend.query_scale(q, cache, meta, 0.2) is None
+    one = torch.ones(())
+    out = backend.forward(q * (0.2 * math.log2(math.e)), k, v, cache.clone(), meta, 0.2, one, one, q_scaled=True)
+    check(out, run_both(q, k, v, cache, meta)[1])
 
 
 @pytest.mark.parametrize("block_size", [16, 32])

@@ -47,6 +47,12 @@ class AttentionBackend(Protocol):
 
     name: str
 
+    def query_scale(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> float | None:
+        """A factor the layer's rotary should multiply into this step's query (then ``forward``
+        gets ``q_scaled=True``), or None: the backend would otherwise make a pass over q for it."""
+        ...
+
     def forward(
         self,
         query: torch.Tensor,  # [T, num_heads, head_dim]
@@ -57,6 +63,7 @@ class AttentionBackend(Protocol):
         scale: float,
         k_scale: torch.Tensor,  # float32 scalar tensor (1.0 unless the cache is fp8)
         v_scale: torch.Tensor,
+        q_scaled: bool = False,  # query carries ``query_scale``'s factor
     ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of query
         ...
 

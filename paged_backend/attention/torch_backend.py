@@ -23,6 +23,7 @@ arranged for speed on the CPU, where decode attention dominates a step:
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass, field
 
@@ -316,6 +317,10 @@ class TorchAttentionBackend:
             else:
                 dst[idx, :, :upto] = g.float()
 
+    def query_scale(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> float | None:
+        return None  # the scale goes into SDPA / the reference's scores: no pass over q to save
+
     def forward(
         self,
         query: torch.Tensor,
@@ -326,7 +331,10 @@ class TorchAttentionBackend:
         scale: float,
         k_scale: torch.Tensor,
         v_scale: torch.Tensor,
+        q_scaled: bool = False,
     ) -> torch.Tensor:
+        if q_scaled:  # query carries scale x log2(e): exp(ln 2 * s) = 2^s, the kernel's exp2 domain
+            scale = math.log(2.0)
         write_kv_cache_ref(key, value, kv_cache, meta.slot_mapping, k_scale, v_scale)
         t, h, d = query.shape
         plan = _step_plan(meta, t, query.device)

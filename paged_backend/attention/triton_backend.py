@@ -2,6 +2,8 @@
 
 Same contract as the torch reference backend; the host-side ``max_query_len`` /
 ``max_seq_len`` of the metadata pick the tile shape and the context split without a sync.
+Where the kernel takes q pre-scaled (prefill steps), ``query_scale`` hands that factor to the
+layer's rotary kernel, which writes q anyway (``kernels/paged_attention.py``, ``query_prescale``).
 """
 
 from __future__ import annotations
@@ -10,11 +12,19 @@ import torch
 
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.kernels.cache_write import write_kv_cache
-from paged_backend.kernels.paged_attention import paged_attention, warm_up
+from paged_backend.kernels.paged_attention import paged_attention, query_prescale, warm_up
 
 
 class TritonAttentionBackend:
     name = "triton"
+
+    def query_scale(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float) -> float | None:
+        key = ("query_scale", tuple(query.shape[1:]), query.dtype, tuple(kv_cache.shape[3:]), kv_cache.dtype, scale,
+               meta.max_query_len, meta.max_seq_len)
+        if key not in meta.step_cache:  # once per step, not per layer
+            meta.step_cache[key] = query_prescale(query, kv_cache, scale, meta.max_query_len, meta.max_seq_len)
+        return meta.step_cache[key]
 
     def forward(
         self,
@@ -26,6 +36,7 @@ class TritonAttentionBackend:
         scale: float,
         k_scale: torch.Tensor,
         v_scale: torch.Tensor,
+        q_scaled: bool = False,
     ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of query
         if kv_cache.shape[2] != meta.block_size:
             raise ValueError(f"kv_cache block size {kv_cache.shape[2]} != metadata block_size {meta.block_size}")
@@ -42,6 +53,7 @@ class TritonAttentionBackend:
             meta.sliding_window,
             max_query_len=meta.max_query_len,
             max_seq_len=meta.max_seq_len,
+            q_scaled=q_scaled,
         )
 
     def warm_up(self, kv_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int, *, max_num_seqs: int,

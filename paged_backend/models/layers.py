@@ -32,7 +32,7 @@ class ModelOps:
 
     rms_norm(x, weight, eps, residual) -> (normed, new_residual)
     silu_and_mul(x [T, 2I]) -> [T, I]
-    rotary(positions, q [T, H, D], k [T, Hkv, D], cos_sin_cache) -> (q, k)
+    rotary(positions, q [T, H, D], k [T, Hkv, D], cos_sin_cache, q_scale=None) -> (q, k)
     """
 
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
@@ -188,6 +188,7 @@ class RotaryEmbedding(nn.Module):
             self.cos_sin_cache.copy_(rope_cos_sin_cache(inv_freq.to(device), self.max_positions))
 
     def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_scale: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.ops.rotary(positions, q, k, self.cos_sin_cache)
+        """Rotated (q, k); ``q_scale`` also multiplies q (the attention backend's ``query_scale``)."""
+        return self.ops.rotary(positions, q, k, self.cos_sin_cache, q_scale)

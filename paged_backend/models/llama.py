@@ -192,7 +192,9 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim))[0].view(q.shape)
             k = self.k_norm(k.reshape(-1, self.head_dim))[0].view(k.shape)
-        q, k = self.rotary_emb(positions, q, k)
+        # where the attention kernel takes q pre-scaled (prefill), the rotary kernel folds that in
+        q_scale = self.attn_backend.query_scale(q, kv_cache, meta, self.scale)
+        q, k = self.rotary_emb(positions, q, k, q_scale)
         if self.calibrate_kv_scales and t > 0:
             # fp8 e4m3 holds +-448: scale so the first batch's largest |K| / |V| fits exactly
             self.k_scale.copy_(k.detach().abs().amax().float().clamp_min(1e-6) / 448.0)
@@ -200,7 +202,8 @@ class LlamaAttention(nn.Module):
             self.calibrate_kv_scales = False
         if meta.sliding_window != self.sliding_window:
             meta = replace(meta, sliding_window=self.sliding_window)
-        o = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale)
+        o = self.attn_backend.forward(q, k, v, kv_cache, meta, self.scale, self.k_scale, self.v_scale,
+                                      q_scaled=q_scale is not None)
         return linear(self.o_proj, o.reshape(t, self.num_heads * self.head_dim))
 
 
