@@ -456,6 +456,15 @@ class Bench:
         nbytes = 2 * (q.numel() + k.numel()) * 2 + t * (d * 4 + 8)
         self._report_bw(f"rotary {t}x({h}+{a.kv_heads})x{d}", self.time_ms(lambda: rotary(pos, q, k, table)),
                         nbytes, self.time_ms(lambda: rotary_ref(pos, q, k, table)))
+        # prefill steps: q also takes the attention kernel's scale (the launcher's pass over q it replaces)
+        qs = d**-0.5 * 1.4426950408889634
+        if not a.no_check:
+            self.check("rotary q scaled", rotary(pos, q, k, table, qs)[0], rotary_ref(pos, q, k, table, qs)[0], 1e-2)
+        self._report_bw(f"rotary {t}x({h}+{a.kv_heads})x{d}, q scaled", self.time_ms(lambda: rotary(pos, q, k, table, qs)),
+                        nbytes)
+        ms = self.time_ms(lambda: torch.mul(q, qs))
+        self.add(Row("elementwise", f"q x scale {t}x{h}x{d} (torch.mul)", ms, "GB/s", 2 * q.numel() * 2 / (ms * 1e-3) / 1e9,
+                     "the attention launcher's pass the fold replaces"))
 
     def _cache_write(self) -> None:
         torch = self.torch
