@@ -19,7 +19,9 @@ decode / prefill grids (paged_backend/bench_attention_variants.py).
 
 Decode times are medians of CUDA-graph replays of back-to-back calls on disjoint block
 tables (~1 GB touched per replay, so L2 cannot serve reruns; no host launch overhead);
-the rest are medians of ``triton.testing.do_bench`` (L2 flushed before every run).
+elementwise kernels are CUDA-graph replays over rotating input sets (>= 1 GiB moved per replay);
+prefill (ours and SDPA) and the torch references are medians of ``triton.testing.do_bench`` (L2
+flushed before every run).
 """
 
 from __future__ import annotations
@@ -71,6 +73,7 @@ def time_graph_ms(fns, replays: int = 20) -> float:
     return times[len(times) // 2] / len(fns)
 
 GIB = 1 << 30
+ELEMENTWISE_TOUCH = GIB  # bytes an elementwise replay moves at least (rotating input sets)
 SWEEP_SPLITS = {(1, 32768), (8, 4096), (8, 32768)}  # decode cells where --sweep times split counts
 SWEEP_TILES = {(64, 4096)}  # ... and tile configs
 SWEEP_PREFILL = {8192}
@@ -412,20 +415,39 @@ class Bench:
         self._rotary()
         self._cache_write()
 
+    def time_sets_ms(self, make, nbytes: float) -> float:
+        """GPU time per call (ms) of ``make(i)``'s calls, each on its own input set, captured back to
+        back in a CUDA graph: >= ``ELEMENTWISE_TOUCH`` bytes per replay (L2 cannot serve a rerun), and
+        no host launch overhead (``do_bench`` with Python launches was host-bound for these kernels:
+        a launcher's argument checks outlast the L2 flush between runs)."""
+        copies = max(2, min(16, math.ceil(ELEMENTWISE_TOUCH / nbytes)))
+        return self.time_graph_ms([make(i) for i in range(copies)])
+
     def _rms_norm(self) -> None:
         torch = self.torch
         from paged_backend.kernels.rms_norm import rms_norm
         from paged_backend.kernels.rms_norm_ref import rms_norm_ref
 
         t, hid = self.args.tokens, self.args.hidden
-        x = torch.randn((t, hid), dtype=torch.bfloat16, device=self.dev)
-        r = torch.randn((t, hid), dtype=torch.bfloat16, device=self.dev)
+
+        def inputs():
+            return (torch.randn((t, hid), dtype=torch.bfloat16, device=self.dev),
+                    torch.randn((t, hid), dtype=torch.bfloat16, device=self.dev))
+
         w = torch.randn((hid,), dtype=torch.bfloat16, device=self.dev)
+        x, r = inputs()
         if not self.args.no_check:
             self.check("rms_norm+residual", rms_norm(x, w, 1e-5, r)[0], rms_norm_ref(x, w, 1e-5, r)[0], 1e-2)
-        self._report_bw(f"rms_norm {t}x{hid} +residual", self.time_ms(lambda: rms_norm(x, w, 1e-5, r)),
+
+        def make(residual):
+            def one(i):
+                xi, ri = inputs()
+                return (lambda: rms_norm(xi, w, 1e-5, ri)) if residual else (lambda: rms_norm(xi, w, 1e-5))
+            return one
+
+        self._report_bw(f"rms_norm {t}x{hid} +residual", self.time_sets_ms(make(True), 4 * t * hid * 2),
                         4 * t * hid * 2, self.time_ms(lambda: rms_norm_ref(x, w, 1e-5, r)))
-        self._report_bw(f"rms_norm {t}x{hid}", self.time_ms(lambda: rms_norm(x, w, 1e-5)), 2 * t * hid * 2)
+        self._report_bw(f"rms_norm {t}x{hid}", self.time_sets_ms(make(False), 2 * t * hid * 2), 2 * t * hid * 2)
 
     def _silu(self) -> None:
         torch = self.torch
@@ -436,7 +458,13 @@ class Bench:
         x = torch.randn((t, 2 * hid), dtype=torch.bfloat16, device=self.dev)
         if not self.args.no_check:
             self.check("silu_and_mul", silu_and_mul(x), silu_and_mul_ref(x), 1e-2)
-        self._report_bw(f"silu_and_mul {t}x2*{hid}", self.time_ms(lambda: silu_and_mul(x)), 3 * t * hid * 2,
+
+        def make(i):
+            xi = torch.randn((t, 2 * hid), dtype=torch.bfloat16, device=self.dev)
+            return lambda: silu_and_mul(xi)
+
+        nbytes = 3 * t * hid * 2
+        self._report_bw(f"silu_and_mul {t}x2*{hid}", self.time_sets_ms(make, nbytes), nbytes,
                         self.time_ms(lambda: silu_and_mul_ref(x)))
 
     def _rotary(self) -> None:
@@ -447,22 +475,36 @@ class Bench:
         a = self.args
         t, d = a.tokens, a.head_dim
         h = a.hidden // d
-        q = torch.randn((t, h, d), dtype=torch.bfloat16, device=self.dev)
-        k = torch.randn((t, a.kv_heads, d), dtype=torch.bfloat16, device=self.dev)
         table = rope_cos_sin_cache(rope_inv_freq(d, 500000.0), 8192).to(self.dev)
-        pos = torch.randint(0, 8192, (t,), device=self.dev)
-        if not a.no_check:
-            self.check("rotary q", rotary(pos, q, k, table)[0], rotary_ref(pos, q, k, table)[0], 1e-2)
-        nbytes = 2 * (q.numel() + k.numel()) * 2 + t * (d * 4 + 8)
-        self._report_bw(f"rotary {t}x({h}+{a.kv_heads})x{d}", self.time_ms(lambda: rotary(pos, q, k, table)),
-                        nbytes, self.time_ms(lambda: rotary_ref(pos, q, k, table)))
+
+        def inputs():
+            return (torch.randn((t, h, d), dtype=torch.bfloat16, device=self.dev),
+                    torch.randn((t, a.kv_heads, d), dtype=torch.bfloat16, device=self.dev),
+                    torch.randint(0, 8192, (t,), device=self.dev))
+
+        q, k, pos = inputs()
         # prefill steps: q also takes the attention kernel's scale (the launcher's pass over q it replaces)
         qs = d**-0.5 * 1.4426950408889634
         if not a.no_check:
+            self.check("rotary q", rotary(pos, q, k, table)[0], rotary_ref(pos, q, k, table)[0], 1e-2)
             self.check("rotary q scaled", rotary(pos, q, k, table, qs)[0], rotary_ref(pos, q, k, table, qs)[0], 1e-2)
-        self._report_bw(f"rotary {t}x({h}+{a.kv_heads})x{d}, q scaled", self.time_ms(lambda: rotary(pos, q, k, table, qs)),
-                        nbytes)
-        ms = self.time_ms(lambda: torch.mul(q, qs))
+
+        def make(scale):
+            def one(i):
+                qi, ki, pi = inputs()
+                return lambda: rotary(pi, qi, ki, table, scale)
+            return one
+
+        nbytes = 2 * (q.numel() + k.numel()) * 2 + t * (d * 4 + 8)
+        self._report_bw(f"rotary {t}x({h}+{a.kv_heads})x{d}", self.time_sets_ms(make(None), nbytes), nbytes,
+                        self.time_ms(lambda: rotary_ref(pos, q, k, table)))
+        self._report_bw(f"rotary {t}x({h}+{a.kv_heads})x{d}, q scaled", self.time_sets_ms(make(qs), nbytes), nbytes)
+
+        def mul(i):
+            qi = torch.randn((t, h, d), dtype=torch.bfloat16, device=self.dev)
+            return lambda: torch.mul(qi, qs)
+
+        ms = self.time_sets_ms(mul, 2 * q.numel() * 2)
         self.add(Row("elementwise", f"q x scale {t}x{h}x{d} (torch.mul)", ms, "GB/s", 2 * q.numel() * 2 / (ms * 1e-3) / 1e9,
                      "the attention launcher's pass the fold replaces"))
 
@@ -489,8 +531,13 @@ class Bench:
                 if not same:
                     self.failures.append(f"cache_write {name}")
             nbytes = 2 * key.numel() * 2 + 2 * key.numel() * cache.element_size() + t * 8
-            self._report_bw(f"cache_write {t}x{h}x{d} K+V -> {name}",
-                            self.time_ms(lambda c=cache: write_kv_cache(key, val, c, slots, s, s)), nbytes)
+
+            def make(i, cache=cache):
+                ki, vi, ci = torch.randn_like(key), torch.randn_like(val), torch.zeros_like(cache)
+                si = torch.randperm(t, device=self.dev)
+                return lambda: write_kv_cache(ki, vi, ci, si, s, s)
+
+            self._report_bw(f"cache_write {t}x{h}x{d} K+V -> {name}", self.time_sets_ms(make, nbytes), nbytes)
 
     # -- output ---------------------------------------------------------------------------
 
