@@ -213,6 +213,9 @@ def test_default_config_paths():
         assert mod.default_config(1, 4096, 4096, 128).path == "gemv"
         assert {mod.default_config(m, 4096, 4096, 128).path for m in (7, 16, 64, 256)} == {"dot"}
         assert mod.default_config(16, 4096, 4096, 128).swap_ab  # few tokens: the weight tile is MMA-M
+        # split-K sums: the tile's last program up to 16 rows, the reduce kernel from 17 (H200, ninth session)
+        assert [mod.default_config(m, 4096, 4096, 128).reduce for m in (16, 17, 32, 64)] == [
+            "last", "kernel", "kernel", "kernel"]
         # act-order's in-kernel gather: two warps (four doubled its time on the H200)
         assert mod.default_config(1, 4096, 4096, 128, act_order=True).num_warps == 2
         assert mod.default_config(1, 4096, 4096, 128).num_warps == 4
