@@ -56,6 +56,12 @@ def capture_graph(fns):
     return graph
 
 
+def copies_to_touch(nbytes: float, touch: float, most: int, least: int = 1) -> int:
+    """How many input copies a graph replay rotates over so it moves >= ``touch`` bytes (L2 then
+    cannot serve a rerun), ``nbytes`` per copy, between ``least`` and ``most``."""
+    return max(least, min(most, math.ceil(touch / max(1, nbytes))))
+
+
 def time_graph_ms(fns, replays: int = 20) -> float:
     """Median GPU time per call (ms) of ``fns`` captured back to back in one CUDA graph."""
     import torch
@@ -74,7 +80,6 @@ def time_graph_ms(fns, replays: int = 20) -> float:
     return times[len(times) // 2] / len(fns)
 
 GIB = 1 << 30
-ELEMENTWISE_TOUCH = GIB  # bytes an elementwise replay moves at least (rotating input sets)
 SWEEP_SPLITS = {(1, 32768), (8, 4096), (8, 32768)}  # decode cells where --sweep times split counts
 SWEEP_TILES = {(64, 4096)}  # ... and tile configs
 SWEEP_PREFILL = {8192}
@@ -263,7 +268,7 @@ class Bench:
         one = torch.ones((), device=self.dev)
         kv_bytes = b * c * a.kv_heads * a.head_dim * 2 * cache.element_size()
         # rotate over disjoint copies until ~1 GB is touched per graph replay (L2 is 50 MB)
-        copies = max(1, min(16, -(-GIB // kv_bytes), len(perm) // (b * math.ceil(c / a.block_size))))
+        copies = max(1, min(copies_to_touch(kv_bytes, GIB, 16), len(perm) // (b * math.ceil(c / a.block_size))))
         inputs = [self._decode_inputs(b, c, perm, i) for i in range(copies)]
         io_bytes = 2 * inputs[0][0].numel() * inputs[0][0].element_size()
 
@@ -438,11 +443,10 @@ class Bench:
 
     def time_sets_ms(self, make, nbytes: float) -> float:
         """GPU time per call (ms) of ``make(i)``'s calls, each on its own input set, captured back to
-        back in a CUDA graph: >= ``ELEMENTWISE_TOUCH`` bytes per replay (L2 cannot serve a rerun), and
-        no host launch overhead (``do_bench`` with Python launches was host-bound for these kernels:
-        a launcher's argument checks outlast the L2 flush between runs)."""
-        copies = max(2, min(16, math.ceil(ELEMENTWISE_TOUCH / nbytes)))
-        return self.time_graph_ms([make(i) for i in range(copies)])
+        back in a CUDA graph: >= 1 GiB per replay (L2 cannot serve a rerun), and no host launch
+        overhead (``do_bench`` with Python launches was host-bound for these kernels: a launcher's
+        argument checks outlast the L2 flush between runs)."""
+        return self.time_graph_ms([make(i) for i in range(copies_to_touch(nbytes, GIB, 16, least=2))])
 
     def _rms_norm(self) -> None:
         torch = self.torch
@@ -490,6 +494,7 @@ class Bench:
 
     def _rotary(self) -> None:
         torch = self.torch
+        from paged_backend.kernels.paged_attention import LOG2E
         from paged_backend.kernels.rotary import rotary
         from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
 
@@ -505,7 +510,7 @@ class Bench:
 
         q, k, pos = inputs()
         # prefill steps: q also takes the attention kernel's scale (the launcher's pass over q it replaces)
-        qs = d**-0.5 * 1.4426950408889634
+        qs = d**-0.5 * LOG2E
         if not a.no_check:
             self.check("rotary q", rotary(pos, q, k, table)[0], rotary_ref(pos, q, k, table)[0], 1e-2)
             self.check("rotary q scaled", rotary(pos, q, k, table, qs)[0], rotary_ref(pos, q, k, table, qs)[0], 1e-2)

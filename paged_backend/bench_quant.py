@@ -114,7 +114,9 @@ def rel_err(got, want) -> float:
 
 def copies_for(nbytes: int, cuda: bool = True) -> int:
     """Weight copies rotated per replay so the L2 cannot serve reruns (1 on the CPU)."""
-    return max(1, min(MAX_COPIES, math.ceil(TOUCH_BYTES / max(1, nbytes)))) if cuda else 1
+    from paged_backend.bench_kernels import copies_to_touch
+
+    return copies_to_touch(nbytes, TOUCH_BYTES, MAX_COPIES) if cuda else 1
 
 
 # -- weights ---------------------------------------------------------------------------------
