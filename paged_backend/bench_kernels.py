@@ -325,16 +325,14 @@ class Bench:
             self._prefill_one(n)
             self.torch.cuda.empty_cache()
 
-    def _prefill_one(self, n: int) -> None:
+    def prefill_inputs(self, n: int):
+        """One causal request of ``n`` new tokens: q, k, v [n, heads, head_dim] (bf16), a bf16 cache
+        holding k / v in shuffled pages, its block table, seq_lens and query_start_loc."""
         torch = self.torch
-        import torch.nn.functional as F
-
         from paged_backend.kernels.cache_write import write_kv_cache
-        from paged_backend.kernels.paged_attention import AttentionConfig, paged_attention, query_prescale
 
         a = self.args
         h, hkv, d, bs = a.heads, a.kv_heads, a.head_dim, a.block_size
-        scale = d**-0.5
         one = torch.ones((), device=self.dev)
         nblk = math.ceil(n / bs)
         cache = torch.empty((2, nblk + 1, bs, hkv, d), dtype=torch.bfloat16, device=self.dev).normal_()
@@ -344,10 +342,22 @@ class Bench:
         k = torch.randn((n, hkv, d), dtype=torch.bfloat16, device=self.dev)
         v = torch.randn((n, hkv, d), dtype=torch.bfloat16, device=self.dev)
         pos = torch.arange(n, device=self.dev)
-        slots = (bt[0].long()[pos // bs] * bs + pos % bs).contiguous()
-        write_kv_cache(k, v, cache, slots, one, one)
+        write_kv_cache(k, v, cache, (bt[0].long()[pos // bs] * bs + pos % bs).contiguous(), one, one)
         sl = torch.tensor([n], dtype=torch.int32, device=self.dev)
         qsl = torch.tensor([0, n], dtype=torch.int32, device=self.dev)
+        return q, k, v, cache, bt, sl, qsl
+
+    def _prefill_one(self, n: int) -> None:
+        torch = self.torch
+        import torch.nn.functional as F
+
+        from paged_backend.kernels.paged_attention import AttentionConfig, paged_attention, query_prescale
+
+        a = self.args
+        h, hkv, d = a.heads, a.kv_heads, a.head_dim
+        scale = d**-0.5
+        one = torch.ones((), device=self.dev)
+        q, k, v, cache, bt, sl, qsl = self.prefill_inputs(n)
         # SDPA on contiguous [1, H, N, D]; K/V expanded to all heads, or GQA-native: the faster counts
         qc = q.transpose(0, 1)[None].contiguous()
         kc = k.transpose(0, 1)[None].repeat_interleave(h // hkv, dim=1).contiguous()

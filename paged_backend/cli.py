@@ -1,4 +1,4 @@
-"""``paged-backend`` command line: ``generate``, ``chat`` and ``bench {throughput,serve,kernels}``.
+"""``paged-backend`` command line: ``generate``, ``chat`` and ``bench {throughput,serve,kernels,quant,peer}``.
 
 Engine flags use vLLM's names (``--max-num-seqs``, ``--kv-cache-dtype fp8`` ...); each
 maps one to one onto an :class:`EngineConfig` field.
@@ -105,11 +105,13 @@ def build_parser() -> argparse.ArgumentParser:
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
     from paged_backend.bench import add_throughput_parser
+    from paged_backend.bench_peer import add_peer_parser
     from paged_backend.bench_quant import add_quant_parser
     from paged_backend.bench_serve import add_serve_parser
 
     add_throughput_parser(bsub)
     add_quant_parser(bsub)
+    add_peer_parser(bsub)
     add_serve_parser(bsub)
     k = bsub.add_parser("kernels", help="check, then time the Triton kernels (CUDA)", add_help=False)
     k.add_argument("rest", nargs=argparse.REMAINDER)
