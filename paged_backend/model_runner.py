@@ -76,6 +76,7 @@ class ModelRunner:
         self._overflow: StepInputBuilder | None = None
         self.graphs: DecodeGraphs | None = None
         self._calibration_done = False
+        self._profiled = False  # a profiling prefill ran (it also compiled the prefill-only kernels)
         self.step_counts = {"graph": 0, "eager": 0}  # forward passes by path (bench prints them)
 
     def _setup_kv_scales(self) -> None:
@@ -115,6 +116,7 @@ class ModelRunner:
         torch.cuda.reset_peak_memory_stats(self.device)
         n = self.limits.max_num_batched_tokens
         self._dummy_forward(n)
+        self._profiled = True
         torch.cuda.synchronize(self.device)
         peak = torch.cuda.max_memory_allocated(self.device) - self._mem_before  # weights + activations
         torch.cuda.empty_cache()
@@ -159,9 +161,20 @@ class ModelRunner:
         shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
         self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
                           for _ in range(self.info.num_layers)]
+        if self.device.type == "cuda" and not self._profiled:
+            self.warm_up_prefill()
         self.warm_up_attention()
         if self._graphs_wanted():
             self.capture_cuda_graphs()
+
+    def warm_up_prefill(self) -> None:
+        """One small prefill into a throwaway cache, when no profiling prefill ran (the KV budget was
+        given): it compiles the kernel variants only prefill steps launch (the rotary kernel that
+        folds the softmax scale into q, int4 GEMM tiles for more than 64 rows), which would
+        otherwise compile on the first prompt (a stall of a second or more on that request)."""
+        t0 = time.perf_counter()
+        self._dummy_forward(min(self.limits.max_num_batched_tokens, 256))
+        logger.info("prefill kernels warmed up in %.1f s", time.perf_counter() - t0)
 
     def warm_up_attention(self) -> None:
         """Compile the attention kernel variants any step can need now, not on the step that first
