@@ -35,7 +35,7 @@ is the MMA's M side and a few tokens fill its N side. The group's scale and zero
 narrow for the pipeliner's async copies) are loaded one k-block ahead by hand. Act-order: one
 ``x.index_select(1, perm)`` before the launch.
 
-``mma`` (decode, up to 8 rows; GPU, bf16/fp16 activations, groups of whole 128-k blocks): tensor
+``mma`` (decode, up to 16 rows; GPU, bf16/fp16 activations, groups of whole 128-k blocks): tensor
 cores through inline PTX, with every lane's data placed by hand. Each tensor is one element per
 thread (element r = lane r % 32 of warp r // 32), so the lane (g, c) of an m16n8k16 MMA loads
 (``ld.global.nc.v4``) words 4c .. 4c + 3 of the k-block for output columns g and g + 8 of its
@@ -43,10 +43,13 @@ warp's 16, and the same four words' x pairs of activation row g. Word pairs i (b
 16 + 4i) become A fragments with a shift, a LOP3 and a paired subtract (exact q - z, as in the dot
 path), two MMAs per word (A's k order is the lanes' word order; B, x, follows it); C (16 columns
 x 8 rows, fp32) takes the group scale after each k-block. ~1.4 dequantization instructions per
-weight nibble, no shared memory, no layout conversion; 48-56 registers. A program's warps either
-own 16 columns each or split its K slice between them (``block_n`` < 16 x ``num_warps``; summed
-through shared memory at the end, which spares the split-K partials). The CPU interpreter cannot
-run it (tests on CUDA only); the GEMV is its fallback.
+weight nibble, no shared memory, no layout conversion; 48-56 registers (90 at 16 rows, 128 with
+two tiles). Rows 9-16 are a second 8-row group of B and C. With ``mma_cols`` 32 a warp owns two 16-column tiles whose MMAs take the
+same x fragments (each lane's x loads, 4x its weight loads at 16 rows, then serve twice the
+columns). A program's warps either own ``mma_cols`` columns each or split its K slice between them
+(``block_n`` < ``mma_cols`` x ``num_warps``; summed through shared memory at the end, which spares
+the split-K partials). The CPU interpreter cannot run it (tests on CUDA only); the GEMV is its
+fallback.
 
 Split-K (every path), ``Int4Config.reduce``:
 
@@ -92,6 +95,7 @@ class Int4Config:
     gather_x: bool = True  # gemv path with act-order: gather x through perm in the kernel (else index_select)
     scale_after: bool | None = None  # dot path; None: block_m < block_k
     pairs: bool = True  # dot path, GPU, bf16/fp16: dequantize two values per instruction
+    mma_cols: int = 16  # mma path: output columns per warp (16, or 32: two column tiles share the x loads)
 
     def __post_init__(self) -> None:
         if self.path not in PATHS:
@@ -106,10 +110,10 @@ class Int4Config:
             raise ValueError(f"Int4Config.block_k must be >= 8, got {self.block_k}")
         if self.path == "dot" and min(self.block_m, self.block_n, self.block_k) < 16:
             raise ValueError("Int4Config: the dot path needs block_m, block_n, block_k >= 16")
-        if self.path == "mma" and (self.block_m not in (8, 16) or self.block_k != 128 or self.block_n < 16
-                                   or (self.num_warps * 16) % self.block_n):
-            raise ValueError("Int4Config: the mma path takes block_m 8 or 16, block_k 128 and block_n = 16 x "
-                             "a divisor of num_warps (the other warps split K)")
+        if self.path == "mma" and (self.block_m not in (8, 16) or self.block_k != 128 or self.mma_cols not in (16, 32)
+                                   or self.block_n < self.mma_cols or (self.num_warps * self.mma_cols) % self.block_n):
+            raise ValueError("Int4Config: the mma path takes block_m 8 or 16, block_k 128, mma_cols 16 or 32 and "
+                             "block_n = mma_cols x a divisor of num_warps (the other warps split K)")
 
     def label(self) -> str:
         sk = "auto" if self.split_k is None else str(self.split_k)
@@ -117,6 +121,8 @@ class Int4Config:
         if self.path == "dot":
             extra = (" swap" if self.swap_ab else "") + {None: "", True: " post", False: " pre"}[self.scale_after]
             extra += "" if self.pairs else " fp32dq"
+        if self.path == "mma" and self.mma_cols != 16:
+            extra = f" c{self.mma_cols}"
         return (f"{self.path} bm{self.block_m} bn{self.block_n} bk{self.block_k} sk{sk} "
                 f"w{self.num_warps} s{self.num_stages} {self.reduce}{extra}")
 
@@ -762,6 +768,28 @@ def _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb, k0, group_s
 
 
 @triton.jit
+def _mma_tile_loads(wc_ptr, wd_ptr, s_ptr, z_ptr, cc, cd, k0, group_size, stride_sg, stride_zg,
+                    GROUP_LOG2: tl.constexpr):
+    """A second column tile's share of ``_mma_loads`` (its words, scales and zeros; x is shared)."""
+    w_c = _ldg4(wc_ptr + k0 // 8)
+    w_d = _ldg4(wd_ptr + k0 // 8)
+    grp = _group_of(k0, group_size, GROUP_LOG2)
+    sc, zc = _group_row(s_ptr, z_ptr, grp, stride_sg, stride_zg, cc, None)
+    sd, zd = _group_row(s_ptr, z_ptr, grp, stride_sg, stride_zg, cd, None)
+    return w_c, w_d, sc, sd, zc, zd
+
+
+@triton.jit
+def _mma_tile_out(acc, GROUPS: tl.constexpr):
+    """One column tile's C fragments joined as the epilogue stores them: [lane, row pair, column a / b]
+    (and the 8-row group last when GROUPS == 2)."""
+    y = tl.join(tl.join(acc[0], acc[1]), tl.join(acc[2], acc[3]))
+    if GROUPS == 2:
+        y = tl.join(y, tl.join(tl.join(acc[4], acc[5]), tl.join(acc[6], acc[7])))
+    return y
+
+
+@triton.jit
 def _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS: tl.constexpr, BF16: tl.constexpr):
     """acc (4 fp32 per activation-row group) += one k-block: the exact integer products of the
     lane's words (``_mma_word`` x 4), times the group's scale of each C row (column a / b)."""
@@ -834,6 +862,7 @@ def _int4_mma_kernel(
     REDUCE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     BF16: tl.constexpr,
+    TILES: tl.constexpr = 1,  # 16-column tiles per warp; with 2 the second (columns + 16) reuses the x loads
 ):
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -844,12 +873,17 @@ def _int4_mma_kernel(
     lane = r % 32
     g = lane // 4  # the MMA's group: output columns g, g + 8 (A rows) and activation row g (B column)
     c = lane % 4  # the MMA's thread in group: words 4c .. 4c + 3 of every k-block (A/B k order)
-    col_a = pid_n * (16 * WN) + (r // 32) % WN * 16 + g
+    col_a = pid_n * (16 * TILES * WN) + (r // 32) % WN * (16 * TILES) + g
     col_b = col_a + 8
     ca = tl.minimum(col_a, N - 1)  # rows past N read row N - 1 (never stored)
     cb = tl.minimum(col_b, N - 1)
     wa_ptr = qw_ptr + ca.to(tl.int64) * stride_qn + c * 4
     wb_ptr = qw_ptr + cb.to(tl.int64) * stride_qn + c * 4
+    if TILES == 2:  # the warp's second tile: columns g + 16, g + 24
+        cc = tl.minimum(col_a + 16, N - 1)
+        cd = tl.minimum(col_a + 24, N - 1)
+        wc_ptr = qw_ptr + cc.to(tl.int64) * stride_qn + c * 4
+        wd_ptr = qw_ptr + cd.to(tl.int64) * stride_qn + c * 4
     m0 = pid_m * (8 * GROUPS)
     row0 = tl.minimum(m0 + g, M - 1)  # rows past M repeat row M - 1 (their columns of C are never stored)
     x0_ptr = (x_ptr + row0.to(tl.int64) * stride_xm).to(tl.pointer_type(tl.int32)) + c * 16
@@ -864,42 +898,68 @@ def _int4_mma_kernel(
         acc = (zero, zero, zero, zero)
     else:
         acc = (zero, zero, zero, zero, zero, zero, zero, zero)
+    acc2 = acc  # the second tile's (TILES == 2)
     # everything a k-block reads is loaded one k-block ahead; past the slice's end a warp re-reads
     # the last k-block, with scale 0
-    w_a, w_b, xq, sa, sb, za, zb = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb,
-                                              tl.minimum(k_warp, k_last), group_size, stride_sg, stride_zg,
-                                              GROUP_LOG2, GROUPS)
+    k_first = tl.minimum(k_warp, k_last)
+    w_a, w_b, xq, sa, sb, za, zb = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb, k_first,
+                                              group_size, stride_sg, stride_zg, GROUP_LOG2, GROUPS)
     if WK > 1:
         sa = tl.where(k_warp < k_end, sa, 0.0)
         sb = tl.where(k_warp < k_end, sb, 0.0)
+    if TILES == 2:
+        w_c, w_d, sc, sd, zc, zd = _mma_tile_loads(wc_ptr, wd_ptr, s_ptr, z_ptr, cc, cd, k_first, group_size,
+                                                   stride_sg, stride_zg, GROUP_LOG2)
+        if WK > 1:
+            sc = tl.where(k_warp < k_end, sc, 0.0)
+            sd = tl.where(k_warp < k_end, sd, 0.0)
     for k0 in range(k_start, k_end, 128 * WK):
         k_next = k_warp + (k0 - k_start) + 128 * WK
+        k_load = tl.minimum(k_next, k_last)
         # (the asm statements are not pure: the compiler keeps this order, the next k-block's
         # loads before this one's MMAs; ptxas still moves them down to save registers)
         w_a1, w_b1, xq1, sa1, sb1, za1, zb1 = _mma_loads(wa_ptr, wb_ptr, x0_ptr, x1_ptr, s_ptr, z_ptr, ca, cb,
-                                                         tl.minimum(k_next, k_last), group_size, stride_sg,
-                                                         stride_zg, GROUP_LOG2, GROUPS)
+                                                         k_load, group_size, stride_sg, stride_zg, GROUP_LOG2,
+                                                         GROUPS)
         if WK > 1:
             sa1 = tl.where(k_next < k_end, sa1, 0.0)
             sb1 = tl.where(k_next < k_end, sb1, 0.0)
+        if TILES == 2:
+            w_c1, w_d1, sc1, sd1, zc1, zd1 = _mma_tile_loads(wc_ptr, wd_ptr, s_ptr, z_ptr, cc, cd, k_load,
+                                                             group_size, stride_sg, stride_zg, GROUP_LOG2)
+            if WK > 1:
+                sc1 = tl.where(k_next < k_end, sc1, 0.0)
+                sd1 = tl.where(k_next < k_end, sd1, 0.0)
         acc = _mma_block(acc, w_a, w_b, xq, sa, sb, za, zb, GROUPS, BF16)
+        if TILES == 2:
+            acc2 = _mma_block(acc2, w_c, w_d, xq, sc, sd, zc, zd, GROUPS, BF16)
+            w_c, w_d, sc, sd, zc, zd = w_c1, w_d1, sc1, sd1, zc1, zd1
         w_a, w_b, xq, sa, sb, za, zb = w_a1, w_b1, xq1, sa1, sb1, za1, zb1
     if WK > 1:  # the warps of one column group summed in warp order (through shared memory)
         acc = _sum_warps(acc, WK, 32 * WN)
+        if TILES == 2:
+            acc2 = _sum_warps(acc2, WK, 32 * WN)
         r = tl.arange(0, 32 * WN)
         lane = r % 32
         g = lane // 4
         c = lane % 4
-        col_a = pid_n * (16 * WN) + r // 32 * 16 + g
+        col_a = pid_n * (16 * TILES * WN) + r // 32 * (16 * TILES) + g
     # C of group q: c0, c1 = (column a, rows 8q + 2c, 8q + 2c + 1), c2, c3 = the same of column b
     two = tl.arange(0, 2)
     m_off = (m0 + 2 * c)[:, None, None] + two[None, :, None]
     n_off = col_a[:, None, None] + 8 * two[None, None, :]
-    y = tl.join(tl.join(acc[0], acc[1]), tl.join(acc[2], acc[3]))
+    y = _mma_tile_out(acc, GROUPS)
     if GROUPS == 2:
-        y = tl.join(y, tl.join(tl.join(acc[4], acc[5]), tl.join(acc[6], acc[7])))
         m_off = m_off[:, :, :, None] + 8 * two[None, None, None, :]
         n_off = n_off[:, :, :, None] + 0 * two[None, None, None, :]
+    if TILES == 2:  # the second tile on a last axis of its own, 16 columns on
+        y = tl.join(y, _mma_tile_out(acc2, GROUPS))
+        if GROUPS == 1:
+            m_off = m_off[:, :, :, None] + 0 * two[None, None, None, :]
+            n_off = n_off[:, :, :, None] + 16 * two[None, None, None, :]
+        else:
+            m_off = m_off[:, :, :, :, None] + 0 * two[None, None, None, None, :]
+            n_off = n_off[:, :, :, :, None] + 16 * two[None, None, None, None, :]
     offs = m_off.to(tl.int64) * N + n_off
     mask = (m_off < M) & (n_off < N)
     tile = pid_m * tl.num_programs(0) + pid_n
@@ -989,7 +1049,8 @@ def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = Fa
     """The launch configuration for an [m, k] x [k, n] product (split-K left to ``pick_split_k``).
 
     One row: the FMA GEMV, 4 output columns x 4 words per thread, the next k-block's words in
-    flight (~4 instructions per nibble in the sm_90 SASS). More rows: tensor cores,
+    flight (~4 instructions per nibble in the sm_90 SASS). On the GPU with 16-bit activations the
+    mma path up to 8 rows, and for 9-16 rows on an N or K of 8192+ (two column tiles per warp). More rows: tensor cores,
     W^T x^T while the tokens fit the MMA's N side (paired dequantization, ~3 instructions per
     nibble with everything else, flat in M), x W with 128-row tiles beyond 64 tokens.
     ``bench quant --sweep`` times these against the alternatives on the GPU."""
@@ -1007,6 +1068,12 @@ def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = Fa
         warps = 4 if n >= 8192 else (8 if k <= 8192 else 16)
         return Int4Config("mma", block_m=8, block_n=16, block_k=128, num_warps=warps,
                           split_k=1 if n >= 256 * 16 else None)
+    if mma_ok and 8 < m <= 16 and mma_fits(m, k, group_size) and not act_order and max(n, k) >= 8192:
+        # two 16-column tiles per warp, sharing the x loads (tenth session, H200, K x N: 4096 x 14336
+        # 27.1-27.5 -> 20.2-20.6 us, 14336 x 4096 24.5-25.0 -> 23.4-24.0; at 4096 x 4096 the dot path
+        # stays, 10.8-11.0 us against 11.0-11.3)
+        return Int4Config("mma", block_m=16, block_n=64 if n >= 8192 else 32, block_k=128, num_warps=8,
+                          mma_cols=32, split_k=1 if n >= 256 * 16 else None)
     # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth and seventh sessions)
     if m == 1:
         # act-order gathers the activations in the kernel: two warps (half the gathers per weight)
@@ -1170,7 +1237,8 @@ def int4_gemm(
             x, qweight, scales, zeros, bias_arg, out, part, ticket_arg,
             m, n, k, group_size, plan.k_per_split, plan.splits,
             x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
-            WARPS=cfg.num_warps, WK=cfg.num_warps * 16 // cfg.block_n, GROUPS=plan.block_m // 8,
+            WARPS=cfg.num_warps, WK=cfg.num_warps * cfg.mma_cols // cfg.block_n, GROUPS=plan.block_m // 8,
+            TILES=cfg.mma_cols // 16,
             GROUP_LOG2=_group_log2(group_size, k), REDUCE=reduce,
             HAS_BIAS=bias is not None, BF16=x.dtype == torch.bfloat16,
             num_warps=cfg.num_warps, num_stages=1,

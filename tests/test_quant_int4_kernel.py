@@ -222,6 +222,12 @@ def test_default_config_paths():
         # 16-bit activations on the GPU: the mma path up to 16 rows, for groups of whole 128-k blocks
         assert [mod.default_config(m, 4096, 4096, 128, mma_ok=True).path for m in (1, 8, 9, 16)] == [
             "mma", "mma", "dot", "dot"]
+        # 9-16 rows on an N or K of 8192+: two 16-column tiles per warp (x loads shared), 64 columns per
+        # program for a wide N; act-order there keeps the dot path
+        assert [(c.path, c.block_m, c.block_n, c.mma_cols, c.num_warps) for c in (
+            mod.default_config(m, n, k, 128, mma_ok=True) for m, n, k in ((16, 14336, 4096), (9, 4096, 14336)))
+        ] == [("mma", 16, 64, 32, 8), ("mma", 16, 32, 32, 8)]
+        assert mod.default_config(16, 14336, 4096, 128, act_order=True, mma_ok=True).path == "dot"
         assert mod.default_config(1, 4096, 4096, 256, mma_ok=True).path == "mma"
         # act-order at one row: the GEMV's in-kernel gather on small weights, the mma path's
         # gather-first launch on large ones
@@ -256,6 +262,11 @@ def test_config_validation_and_launcher_errors():
         Int4Config(path="mma", block_m=8, block_n=64, block_k=128, num_warps=2)
     with pytest.raises(ValueError, match="mma path"):
         Int4Config(path="mma", block_m=4, block_n=64, block_k=128, num_warps=4)
+    with pytest.raises(ValueError, match="mma path"):  # two 16-column tiles per warp: 32 columns at least
+        Int4Config(path="mma", block_m=8, block_n=16, block_k=128, num_warps=4, mma_cols=32)
+    with pytest.raises(ValueError, match="mma path"):
+        Int4Config(path="mma", block_m=8, block_n=64, block_k=128, num_warps=4, mma_cols=48)
+    Int4Config(path="mma", block_m=8, block_n=128, block_k=128, num_warps=4, mma_cols=32)  # 4 warps side by side
     qweight, _, scales, zeros, _ = _random_int4(64, 16, 32, False, torch.float32)
     x = torch.randn(2, 64)
     with pytest.raises(ValueError, match="scales"):
@@ -362,7 +373,8 @@ def test_cuda_mma_path_matches_reference(dtype, m, k, n, group_size):
     """The mma path (inline PTX: per-lane words into m16n8k16 fragments) on its own: N not a
     multiple of the program's columns, groups of 128 / 256 / one, both 16-bit dtypes, one or two
     8-row groups of activations, every split-K reduction, act-order (x gathered first), warps
-    side by side and warps splitting K (k-block counts not a multiple of them)."""
+    side by side and warps splitting K (k-block counts not a multiple of them), one or two 16-column
+    tiles per warp."""
     for act_order in (False, True):
         for split_k, reduce in ((None, "last"), (1, "last"), (3, "kernel"), (5, "last")):
             cfg = _cfg(path="mma", block_m=8 if m <= 8 else 16, block_n=64, block_k=128, num_warps=4,
@@ -373,6 +385,12 @@ def test_cuda_mma_path_matches_reference(dtype, m, k, n, group_size):
             cfg = _cfg(path="mma", block_m=8 if m <= 8 else 16, block_n=block_n, block_k=128, num_warps=warps,
                        split_k=split_k)
             _check_cuda_case(m, k, n, group_size, False, cfg, dtype)
+    # two 16-column tiles per warp sharing the x loads (mma_cols 32): warps side by side or splitting K
+    for block_n, warps, split_k, act_order in ((32, 1, None, False), (64, 4, 3, True), (128, 4, None, False),
+                                               (32, 8, 2, False)):
+        cfg = _cfg(path="mma", block_m=8 if m <= 8 else 16, block_n=block_n, block_k=128, num_warps=warps,
+                   split_k=split_k, mma_cols=32)
+        _check_cuda_case(m, k, n, group_size, act_order, cfg, dtype)
 
 
 @cuda
