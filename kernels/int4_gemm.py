@@ -44,9 +44,9 @@ warp's 16, and the same four words' x pairs of activation row g. Word pairs i (b
 path), two MMAs per word (A's k order is the lanes' word order; B, x, follows it); C (16 columns
 x 8 rows, fp32) takes the group scale after each k-block. ~1.4 dequantization instructions per
 weight nibble, no shared memory, no layout conversion; 48-56 registers (90 at 16 rows, 128 with
-two tiles). Rows 9-16 are a second 8-row group of B and C. With ``mma_cols`` 32 a warp owns two 16-column tiles whose MMAs take the
-same x fragments (each lane's x loads, 4x its weight loads at 16 rows, then serve twice the
-columns). A program's warps either own ``mma_cols`` columns each or split its K slice between them
+two tiles). Rows 9-16 are a second 8-row group of B and C. With ``mma_cols`` 32 a warp owns two
+16-column tiles whose MMAs take the same x fragments (each lane's x loads, 4x its weight loads at
+16 rows, then serve twice the columns). A program's warps either own ``mma_cols`` columns each or split its K slice between them
 (``block_n`` < ``mma_cols`` x ``num_warps``; summed through shared memory at the end, which spares
 the split-K partials). The CPU interpreter cannot run it (tests on CUDA only); the GEMV is its
 fallback.
