@@ -46,10 +46,10 @@ x 8 rows, fp32) takes the group scale after each k-block. ~1.4 dequantization in
 weight nibble, no shared memory, no layout conversion; 48-56 registers (90 at 16 rows, 128 with
 two tiles). Rows 9-16 are a second 8-row group of B and C. With ``mma_cols`` 32 a warp owns two
 16-column tiles whose MMAs take the same x fragments (each lane's x loads, 4x its weight loads at
-16 rows, then serve twice the columns). A program's warps either own ``mma_cols`` columns each or split its K slice between them
-(``block_n`` < ``mma_cols`` x ``num_warps``; summed through shared memory at the end, which spares
-the split-K partials). The CPU interpreter cannot run it (tests on CUDA only); the GEMV is its
-fallback.
+16 rows, then serve twice the columns). A program's warps either own ``mma_cols`` columns each or
+split its K slice between them (``block_n`` < ``mma_cols`` x ``num_warps``; summed through shared
+memory at the end, which spares the split-K partials). The CPU interpreter cannot run it (tests on
+CUDA only); the GEMV is its fallback.
 
 Split-K (every path), ``Int4Config.reduce``:
 
@@ -898,7 +898,6 @@ def _int4_mma_kernel(
         acc = (zero, zero, zero, zero)
     else:
         acc = (zero, zero, zero, zero, zero, zero, zero, zero)
-    acc2 = acc  # the second tile's (TILES == 2)
     # everything a k-block reads is loaded one k-block ahead; past the slice's end a warp re-reads
     # the last k-block, with scale 0
     k_first = tl.minimum(k_warp, k_last)
@@ -908,6 +907,7 @@ def _int4_mma_kernel(
         sa = tl.where(k_warp < k_end, sa, 0.0)
         sb = tl.where(k_warp < k_end, sb, 0.0)
     if TILES == 2:
+        acc2 = acc  # the second tile's C
         w_c, w_d, sc, sd, zc, zd = _mma_tile_loads(wc_ptr, wd_ptr, s_ptr, z_ptr, cc, cd, k_first, group_size,
                                                    stride_sg, stride_zg, GROUP_LOG2)
         if WK > 1:
@@ -1050,9 +1050,10 @@ def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = Fa
 
     One row: the FMA GEMV, 4 output columns x 4 words per thread, the next k-block's words in
     flight (~4 instructions per nibble in the sm_90 SASS). On the GPU with 16-bit activations the
-    mma path up to 8 rows, and for 9-16 rows on an N or K of 8192+ (two column tiles per warp). More rows: tensor cores,
-    W^T x^T while the tokens fit the MMA's N side (paired dequantization, ~3 instructions per
-    nibble with everything else, flat in M), x W with 128-row tiles beyond 64 tokens.
+    mma path up to 8 rows, and for 9-16 rows on an N or K of 8192+ (two column tiles per warp).
+    More rows: tensor cores, W^T x^T while the tokens fit the MMA's N side (paired dequantization,
+    ~3 instructions per nibble with everything else, flat in M), x W with 128-row tiles beyond 64
+    tokens.
     ``bench quant --sweep`` times these against the alternatives on the GPU."""
     if interpreting():  # small tiles keep the CPU interpreter fast
         if m <= 4:

@@ -99,7 +99,8 @@ class Row:
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _parse_ints(s: str) -> list[int]:
+def parse_ints(s: str) -> list[int]:
+    """'1,8,64' -> [1, 8, 64] (the benches' comma-separated grid options)."""
     return [int(x) for x in s.split(",") if x]
 
 
@@ -236,7 +237,7 @@ class Bench:
         from paged_backend.kernels.paged_attention_ref import paged_attention_ref
 
         a = self.args
-        batches, contexts = _parse_ints(a.batches), _parse_ints(a.contexts)
+        batches, contexts = parse_ints(a.batches), parse_ints(a.contexts)
         max_blocks = max(b * math.ceil(c / a.block_size) for b in batches for c in contexts)
         one = torch.ones((), device=self.dev)
         results: dict[tuple[str, int, int], float] = {}
@@ -321,7 +322,7 @@ class Bench:
     # -- prefill --------------------------------------------------------------------------
 
     def prefill(self) -> None:
-        for n in _parse_ints(self.args.prefill_lens):
+        for n in parse_ints(self.args.prefill_lens):
             self._prefill_one(n)
             self.torch.cuda.empty_cache()
 

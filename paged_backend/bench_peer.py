@@ -29,7 +29,7 @@ import math
 import sys
 import time
 
-from paged_backend.bench_kernels import GIB, Bench, Row, copies_to_touch
+from paged_backend.bench_kernels import GIB, Bench, Row, copies_to_touch, parse_ints
 
 PEER_TOL = 2e-2  # relative error against the reference
 PEER_TOL_FP8 = 5e-2  # FA3 with fp8 KV also rounds P to e4m3 for the PV product (~2.4e-2 measured)
@@ -63,10 +63,6 @@ def add_peer_parser(sub) -> None:
     p.set_defaults(func=lambda args: run(args))
 
 
-def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
-
-
 class PeerBench(Bench):
     """``Bench``'s inputs, checks and graph timing, with vLLM's kernels timed beside ours."""
 
@@ -85,7 +81,7 @@ class PeerBench(Bench):
     def decode(self) -> None:
         torch = self.torch
         a = self.args
-        batches, contexts = _ints(a.batches), _ints(a.contexts)
+        batches, contexts = parse_ints(a.batches), parse_ints(a.contexts)
         max_blocks = max(b * math.ceil(c / a.block_size) for b in batches for c in contexts)
         for kind in ("bf16", "fp8"):
             cache = self._cache(max_blocks + 1, kind == "fp8")
@@ -152,7 +148,7 @@ class PeerBench(Bench):
     # -- prefill --------------------------------------------------------------------------
 
     def prefill(self) -> None:
-        for n in _ints(self.args.prefill_lens):
+        for n in parse_ints(self.args.prefill_lens):
             self._prefill_pair(n)
             self.torch.cuda.empty_cache()
 
@@ -218,7 +214,7 @@ class PeerBench(Bench):
     def int4(self) -> None:
         for shape in self.args.shapes.split(","):
             k, n = (int(v) for v in shape.lower().split("x"))
-            self._int4_shape(k, n, _ints(self.args.m))
+            self._int4_shape(k, n, parse_ints(self.args.m))
             self.torch.cuda.empty_cache()
 
     def _int4_shape(self, k: int, n: int, ms: list[int]) -> None:
@@ -271,33 +267,20 @@ class PeerBench(Bench):
 
     def _int4_cell(self, k: int, n: int, m: int, calls) -> None:
         torch = self.torch
-        from paged_backend.bench_quant import rel_err
-
         gen = torch.Generator(device=self.dev).manual_seed(m)
         x = torch.randn(m, k, generator=gen, device=self.dev).to(torch.bfloat16)
         cell = f"int4 {k}x{n} M={m}"
         times = {}
         for who, (fns, w_ref) in calls(x, m).items():
-            if w_ref is not None:
-                err = rel_err(fns[0](), x.float() @ w_ref.float())
-                ok = err < PEER_TOL
-                print(f"  check {cell} {who:<40} rel err {err:.2e} (< {PEER_TOL:g}) {'ok' if ok else 'FAIL'}",
-                      flush=True)
-                if not ok:
-                    self.failures.append(f"{cell} {who}")
-                    continue
-            times[who] = 1e-3 * self._time_us(fns)
+            if w_ref is not None and not self.check(f"{cell} {who}", fns[0](), x.float() @ w_ref.float(), PEER_TOL):
+                continue
+            times[who] = self.time_graph_ms(fns, self.args.replays)
         base = times["bf16 cuBLAS"]
         for who, ms in times.items():
             self.add(Row("int4", f"{k}x{n} M={m:<3} {who}", ms, "x bf16", base / ms))
         peers = [(t, who) for who, t in times.items() if who.startswith("vLLM")]
         if peers and "ours" in times:
             self.pair(cell, times["ours"], *min(peers))
-
-    def _time_us(self, fns) -> float:
-        from paged_backend.bench_quant import time_graph_us
-
-        return time_graph_us(fns, self.args.replays)
 
     # -- report ---------------------------------------------------------------------------
 
