@@ -89,7 +89,13 @@ def _from_validation_error(exc: pydantic.ValidationError, names: Mapping[str, st
         return AdapterError(f"Missing required parameter '{param}'.", param=param)
     if param is None:
         return AdapterError(msg)
-    return AdapterError(f"Invalid value for '{param}': {msg} (got {err.get('input')!r}).", param=param)
+    return AdapterError(f"Invalid value for '{param}': {msg} (got {short_repr(err.get('input'))}).", param=param)
+
+
+def short_repr(value: Any, limit: int = 80) -> str:
+    """``repr`` of a user's value, cut: an error never echoes a large input back."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 
 # -- user-facing fields -> SamplingParams ------------------------------------------------
@@ -164,6 +170,16 @@ def build_sampling_params(fields: Mapping[str, Any], *, field_names: Mapping[str
 
 # -- the engine behind the adapters ------------------------------------------------------
 
+def check_kv_capacity(kv_tokens: int, max_model_len: int) -> None:
+    """A server must hold one request of ``max_model_len`` tokens, or refuse to start (as vLLM does)."""
+    if kv_tokens < max_model_len:
+        raise ValueError(
+            f"The KV cache holds {kv_tokens} tokens, fewer than max_model_len ({max_model_len}): a request of "
+            f"the model's full length could never run. Lower --max-model-len (max_model_len) to at most "
+            f"{kv_tokens}, or give the cache more room (--gpu-memory-utilization, kv_cache_memory_bytes, "
+            "num_gpu_blocks_override).")
+
+
 class EngineAdapter:
     """Lifecycle, generation, metrics and introspection of one engine, for any framework."""
 
@@ -208,7 +224,13 @@ class EngineAdapter:
         from paged_backend.async_engine import AsyncEngine
 
         try:
-            self._engine = AsyncEngine(self.config)
+            engine = AsyncEngine(self.config)
+            try:
+                check_kv_capacity(engine.engine.kv_capacity_tokens, engine.engine.max_model_len)
+            except ValueError:
+                engine.shutdown()
+                raise
+            self._engine = engine
             logger.info("engine ready: %s", self._engine.model_info())
         except BaseException as exc:  # reported through is_ready / wait_ready, never lost
             logger.exception("engine failed to start")
@@ -219,6 +241,15 @@ class EngineAdapter:
     @property
     def is_ready(self) -> bool:
         return self._engine is not None and self._engine.is_ready and not self._draining
+
+    @property
+    def is_alive(self) -> bool:
+        """False once the model failed to load or the engine loop died: the process should be replaced."""
+        return self._load_error is None and not (self._engine is not None and self._engine.is_dead)
+
+    @property
+    def is_draining(self) -> bool:
+        return self._draining
 
     @property
     def load_error(self) -> BaseException | None:
@@ -232,11 +263,24 @@ class EngineAdapter:
             raise self._load_error
         return self.is_ready
 
-    def drain(self, timeout: float = 30.0) -> bool:
-        """Refuse new requests and wait for in-flight ones; True if all finished in time."""
+    def begin_drain(self) -> None:
+        """Refuse new requests from now on (503); in-flight ones go on."""
         with self._cond:
             self._draining = True
-            return self._cond.wait_for(lambda: self._inflight == 0, timeout)
+
+    def drain(self, timeout: float = 30.0) -> bool:
+        """Refuse new requests and wait up to ``timeout`` for in-flight ones; those still running
+        then are aborted (finish_reason "abort", blocks freed). True if all finished in time."""
+        with self._cond:
+            self._draining = True
+            if self._cond.wait_for(lambda: self._inflight == 0, timeout):
+                return True
+        if self._engine is not None:
+            n = self._engine.abort_all()
+            logger.warning("drain timeout (%.1fs): aborted %d request(s) still running", timeout, n)
+            with self._cond:
+                self._cond.wait_for(lambda: self._inflight == 0, 5.0)
+        return False
 
     def shutdown(self, drain_timeout: float = 0.0) -> None:
         """Optionally drain, then stop the engine loop (pending requests end with an error)."""
@@ -255,6 +299,9 @@ class EngineAdapter:
             raise AdapterError("The server is shutting down.", kind="unavailable")
         if self._load_error is not None:
             raise AdapterError(f"The model failed to load: {self._load_error!r}", kind="unavailable")
+        if self._engine is not None and self._engine.is_dead:
+            raise AdapterError("The engine has stopped after an internal error; this server must be restarted.",
+                               kind="unavailable")
         if self._engine is None or not self._engine.is_ready:
             raise AdapterError("The model is still loading; retry shortly.", kind="unavailable")
         return self._engine
@@ -263,10 +310,22 @@ class EngineAdapter:
     def tokenizer(self) -> Any:
         return self._require_engine().tokenizer
 
+    def check_text_size(self, num_bytes: int, param: str = "prompt") -> None:
+        """AdapterError (400) when a text of this many UTF-8 bytes cannot fit the context."""
+        try:
+            self._require_engine().engine.check_text_size(num_bytes, param)
+        except InvalidRequestError as exc:
+            raise to_adapter_error(exc) from None
+
     def encode_chat(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
                     chat_template_kwargs: Mapping[str, Any] | None = None) -> list[int]:
-        """Token ids of a conversation through the model's own chat template."""
+        """Token ids of a conversation through the model's own chat template.
+
+        The messages' text is size-checked before the template runs (a conversation longer
+        than the context is refused untokenized)."""
         tok = self.tokenizer
+        self.check_text_size(sum(len(str(v).encode("utf-8", "surrogatepass")) for m in messages for v in m.values()),
+                             "messages")
         try:
             text = tok.apply_chat_template([dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
                                            tokenize=False, **dict(chat_template_kwargs or {}))
@@ -274,20 +333,25 @@ class EngineAdapter:
             raise AdapterError(f"Cannot apply the chat template: {exc}", param="messages") from exc
         return tok.encode(text, add_special_tokens=False)
 
+    async def encode_chat_async(self, messages: Sequence[Mapping[str, Any]], **kwargs: Any) -> list[int]:
+        """``encode_chat`` on the engine's input threads: the caller's event loop keeps serving."""
+        return await self._require_engine().run_blocking(self.encode_chat, messages, **kwargs)
+
     async def generate(self, prompt: str | list[int], params: SamplingParams, *,
-                       request_id: str | None = None,
+                       request_id: str | None = None, cache_salt: str | None = None,
                        field_names: Mapping[str, str] | None = None) -> AsyncIterator[RequestOutput]:
         """Deltas of one request; ``AdapterError`` before the first if it is refused.
 
-        Leaving the loop early (break, cancellation, client gone) aborts the request
-        and frees its blocks.
+        ``cache_salt`` keeps the request's prefix-cache blocks apart from those of requests
+        with another salt (or none). Leaving the loop early (break, cancellation, client
+        gone) aborts the request and frees its blocks.
         """
         engine = self._require_engine()
         rid = request_id or uuid.uuid4().hex
         timer = RequestTimer(self.sink)
         with self._cond:
             self._inflight += 1
-        stream = engine.generate(rid, prompt, params)
+        stream = engine.generate(rid, prompt, params, cache_salt=cache_salt)
         settled = False  # finished, or refused before it started
         try:
             try:
@@ -325,15 +389,20 @@ class EngineAdapter:
                     self._cond.notify_all()
 
     async def complete(self, prompt: str | list[int], params: SamplingParams, *,
-                       request_id: str | None = None,
+                       request_id: str | None = None, cache_salt: str | None = None,
                        field_names: Mapping[str, str] | None = None) -> RequestOutput:
         """The whole output of one request (deltas merged)."""
         acc: RequestOutput | None = None
-        async for delta in self.generate(prompt, params, request_id=request_id, field_names=field_names):
+        async for delta in self.generate(prompt, params, request_id=request_id, cache_salt=cache_salt,
+                                         field_names=field_names):
             acc = merge_delta(acc, delta)
         if acc is None:
             raise AdapterError("The engine returned no output.", kind="internal")
         return acc
+
+    def has_requests(self, request_ids: Sequence[str]) -> bool:
+        """Whether any of these engine request ids is still in flight."""
+        return self._engine is not None and any(self._engine.has_request(r) for r in request_ids)
 
     async def abort(self, request_id: str) -> None:
         """Abort a request; its KV blocks are free when this returns."""
@@ -345,9 +414,12 @@ class EngineAdapter:
     def stats(self) -> dict[str, Any]:
         return dict(self._engine.stats()) if self._engine is not None else {}
 
-    def model_info(self) -> dict[str, Any]:
+    def model_info(self, *, with_path: bool = True) -> dict[str, Any]:
+        """Model facts; ``with_path=False`` leaves out where the model lives on disk."""
         info = dict(self._engine.model_info()) if self._engine is not None else {}
         info["served_model_name"] = self.served_model_name
+        if not with_path:
+            info.pop("model_dir", None)
         return info
 
     def metrics_text(self) -> str:

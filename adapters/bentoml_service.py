@@ -19,12 +19,14 @@ from pydantic import ConfigDict, Field
 from paged_backend.config import EngineConfig
 
 from .api import AdapterError, EngineAdapter, build_sampling_params
+from .serving_options import ServingOptions
 
 SERVICE_DEFAULT_NAME = "paged-llm"
 
 
-class ServeArgs(EngineConfig):
-    """Engine options (EngineConfig's fields, vLLM's names) plus how BentoML runs the service."""
+class ServeArgs(EngineConfig, ServingOptions):
+    """Engine options (EngineConfig's fields, vLLM's names), the front end's (ServingOptions:
+    API keys, limits, privacy) and how BentoML runs the service."""
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
@@ -105,7 +107,8 @@ async def native_generate(adapter: EngineAdapter, prompt: str, *, chat: bool = T
 
     try:
         params = build_sampling_params({k: v for k, v in sampling.items() if v is not None})
-        source: str | list[int] = adapter.encode_chat([{"role": "user", "content": prompt}]) if chat else prompt
+        source: str | list[int] = (await adapter.encode_chat_async([{"role": "user", "content": prompt}])
+                                   if chat else prompt)
         stream = adapter.generate(source, params)
         first = await stream.__anext__()
     except StopAsyncIteration:

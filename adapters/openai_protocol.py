@@ -1,8 +1,10 @@
 """OpenAI-compatible request / response models (the wire format of ``/v1``).
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (``top_k``, ``min_p``,
-``repetition_penalty`` ...); unknown fields are ignored like OpenAI does. Value ranges
-are checked once, by ``build_sampling_params``, so every error names the user's field.
+``repetition_penalty`` ...); unknown fields are ignored like OpenAI does. Types are
+strict, as OpenAI's are (``true`` is not 1, ``"7"`` is not 7), and text must be valid
+Unicode (a lone surrogate is refused, not passed to the tokenizer). Value ranges are
+checked once, by ``build_sampling_params``, so every error names the user's field.
 """
 
 from __future__ import annotations
@@ -10,18 +12,58 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
+
+MAX_REQUEST_ID_CHARS = 256
 
 
 class OpenAIModel(BaseModel):
     model_config = ConfigDict(extra="ignore", protected_namespaces=())
 
 
-class StreamOptions(OpenAIModel):
+def _find_surrogate(value: Any, path: str) -> str | None:
+    """The path of the first string in a JSON value holding a lone surrogate (not encodable as UTF-8)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path
+        return None
+    if isinstance(value, dict):
+        for k, v in value.items():
+            found = _find_surrogate(k, path) or _find_surrogate(v, f"{path}.{k}" if path else str(k))
+            if found:
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if type(v) is not int:  # token-id lists: the ints are skipped fast
+                found = _find_surrogate(v, f"{path}[{i}]")
+                if found:
+                    return found
+    return None
+
+
+class OpenAIRequest(OpenAIModel):
+    """A request body: strict types, valid Unicode."""
+
+    model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        path = _find_surrogate(data, "")
+        if path is not None:
+            raise PydanticCustomError("invalid_unicode", "'{path}' is not valid Unicode text (it holds a lone "
+                                      "surrogate, which cannot be encoded as UTF-8)", {"path": path})
+        return data
+
+
+class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
-class _SamplingFields(OpenAIModel):
+class _SamplingFields(OpenAIRequest):
     """Fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
@@ -44,15 +86,17 @@ class _SamplingFields(OpenAIModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
-    request_id: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
+    cache_salt: str | None = Field(None, min_length=1, max_length=1024,
+                                   description="prefix-cache blocks are shared only among requests of equal salt")
 
 
-class TextContentPart(OpenAIModel):
+class TextContentPart(OpenAIRequest):
     type: Literal["text"] = "text"
     text: str
 
 
-class ChatMessage(OpenAIModel):
+class ChatMessage(OpenAIRequest):
     role: str
     content: str | list[TextContentPart | dict[str, Any]] | None = None
     name: str | None = None
@@ -63,15 +107,16 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20)
     add_generation_prompt: bool = True
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = None
+    logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = False
     suffix: str | None = None
 

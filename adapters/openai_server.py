@@ -30,7 +30,7 @@ from paged_backend.errors import InvalidRequestError
 from paged_backend.outputs import LogprobsDict, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
-from .api import AdapterError, EngineAdapter, build_sampling_params, merge_delta, to_adapter_error
+from .api import AdapterError, EngineAdapter, build_sampling_params, merge_delta, short_repr, to_adapter_error
 from .openai_protocol import (
     ChatChoiceLogprobs,
     ChatCompletionChoice,
@@ -55,6 +55,7 @@ from .openai_protocol import (
     UsageInfo,
     _SamplingFields,
 )
+from .serving_options import ServingOptions, effective_cache_salt
 
 logger = logging.getLogger(__name__)
 
@@ -65,30 +66,62 @@ _DISCONNECT_POLL_S = 0.5
 
 # -- errors ------------------------------------------------------------------------------
 
-def error_response(err: AdapterError) -> JSONResponse:
-    """OpenAI's error JSON with the status the error kind calls for."""
-    body = ErrorResponse(error=ErrorInfo(message=err.message, type=_ERROR_TYPES.get(err.status, "error"),
-                                         param=err.param, code=err.code))
-    return JSONResponse(body.model_dump(), status_code=err.status)
+def error_body(message: str, status: int, *, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """OpenAI's ``{"error": {...}}`` for a status."""
+    return ErrorResponse(error=ErrorInfo(message=message, type=_ERROR_TYPES.get(status, "invalid_request_error"),
+                                         param=param, code=code)).model_dump()
+
+
+def error_response(err: AdapterError, headers: Mapping[str, str] | None = None, *,
+                   status: int | None = None) -> JSONResponse:
+    """OpenAI's error JSON with the status the error kind calls for (or ``status``)."""
+    code = status or err.status
+    return JSONResponse(error_body(err.message, code, param=err.param, code=err.code), status_code=code,
+                        headers=dict(headers or {}))
+
+
+_TYPE_NAMES = frozenset({"str", "int", "float", "bool", "list", "dict", "none"})
+
+
+def _field_path(loc: Sequence[Any]) -> list[str]:
+    """A validation error's location as the user's field path (pydantic's union branch names dropped)."""
+    out = []
+    for p in loc:
+        p = str(p)
+        if p == "body" and not out:
+            continue
+        if "[" in p or "(" in p or p in _TYPE_NAMES or p.startswith("function-"):
+            continue
+        out.append(p)
+    return out
 
 
 def _request_validation_error(exc: RequestValidationError) -> AdapterError:
-    """FastAPI's 422 (bad JSON, missing or mistyped fields) as a 400 naming the field."""
+    """FastAPI's 422 (bad JSON, missing or mistyped fields) as a 400 naming the field.
+
+    Messages quote at most a few characters of what was sent, never the whole input."""
     errors = exc.errors()
     if not errors:
         return AdapterError("Invalid request body.")
     err = errors[0]
-    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    loc = _field_path(err.get("loc", ()))
     param = loc[0] if loc else None
     kind = err.get("type", "")
     if kind == "json_invalid":
         detail = err.get("ctx", {}).get("error", err.get("msg", ""))
         return AdapterError(f"The request body is not valid JSON: {detail}", code="invalid_json")
+    if kind == "invalid_unicode":
+        path = str(err.get("ctx", {}).get("path", "")) or "body"
+        return AdapterError(str(err.get("msg")), param=path.split(".")[0].split("[")[0], code="invalid_unicode")
     if kind == "missing":
-        return AdapterError(f"Missing required parameter '{param}'.", param=param)
+        if param is None:
+            return AdapterError("The request body is empty: send a JSON object.", code="missing_body")
+        return AdapterError(f"Missing required parameter '{'.'.join(loc)}'.", param=param)
     where = ".".join(loc) or "body"
-    return AdapterError(f"Invalid value for '{where}': {err.get('msg', 'invalid')} (got {err.get('input')!r}).",
-                        param=param)
+    if where == "body":
+        return AdapterError(f"The request body must be a JSON object (got {short_repr(err.get('input'))}).")
+    return AdapterError(f"Invalid value for '{where}': {err.get('msg', 'invalid')} "
+                        f"(got {short_repr(err.get('input'))}).", param=param)
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -109,16 +142,44 @@ def install_error_handlers(app: FastAPI) -> None:
         resp.status_code = exc.status_code
         return resp
 
-    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("unhandled error in the OpenAI layer")
-        return error_response(AdapterError(f"Internal error: {type(exc).__name__}: {exc}", kind="internal"))
-
     app.add_exception_handler(RequestValidationError, on_request_validation)
     app.add_exception_handler(AdapterError, on_adapter_error)
     app.add_exception_handler(InvalidRequestError, on_adapter_error)
     app.add_exception_handler(pydantic.ValidationError, on_adapter_error)
     app.add_exception_handler(StarletteHTTPException, on_http_exception)
-    app.add_exception_handler(Exception, on_unexpected)
+    app.add_middleware(InternalErrorGuard)
+
+
+class InternalErrorGuard:
+    """ASGI middleware: an unexpected exception becomes OpenAI's 500 JSON, and goes no further.
+
+    Starlette's own last-resort handler sends its 500 and then re-raises, which makes the
+    server drop the keep-alive connection (without ``Connection: close``), so the client's
+    next request on it fails. Here the error ends with the response.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def watch(message: Any) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, watch)
+        except Exception as exc:
+            logger.exception("unhandled error in the OpenAI layer")
+            if started:  # nothing can be said any more: the connection has to end
+                raise
+            err = AdapterError(f"Internal error: {type(exc).__name__}: {exc}", kind="internal")
+            await error_response(err)(scope, receive, send)
 
 
 # -- app wiring --------------------------------------------------------------------------
@@ -134,32 +195,99 @@ def _adapter(request: Request) -> EngineAdapter:
     return adapter
 
 
-def create_openai_app(adapter: EngineAdapter | None = None, *, prefix: str = "") -> FastAPI:
-    """A FastAPI app serving the OpenAI routes under ``prefix`` ("" when mounted at /v1)."""
+def _options(request: Request) -> ServingOptions:
+    return getattr(request.app.state, "serving_options", None) or _DEFAULT_OPTIONS
+
+
+_DEFAULT_OPTIONS = ServingOptions()
+
+
+def create_openai_app(adapter: EngineAdapter | None = None, *, prefix: str = "",
+                      options: ServingOptions | None = None) -> FastAPI:
+    """A FastAPI app serving the OpenAI routes under ``prefix`` ("" when mounted at /v1).
+
+    ``options`` are the front end's limits and privacy settings (defaults: ``ServingOptions()``);
+    API keys and body limits are enforced around the app by ``ServingGuard``.
+    """
     app = FastAPI(title="paged-backend OpenAI-compatible API", docs_url=None, redoc_url=None)
     app.include_router(build_router(), prefix=prefix)
     install_error_handlers(app)
+    app.state.serving_options = options or ServingOptions()
+    app.state.request_ids = InflightRequestIds()
     if adapter is not None:
         attach_adapter(app, adapter)
     return app
 
 
+class InflightRequestIds:
+    """User-supplied ``request_id`` values in flight, each with the engine ids serving it.
+
+    Engine ids are always made by the server; a user's id only names the response. A user
+    id is taken from its claim to its release. An entry whose response never ran (its
+    release never came) is stale once none of its engine requests is in flight and
+    ``stale_after_s`` have passed since the claim (tokenizing comes before the engine
+    knows a request, so a fresh claim counts as taken).
+    """
+
+    def __init__(self, stale_after_s: float = 30.0) -> None:
+        self.ids: dict[str, tuple[list[str], float]] = {}
+        self.stale_after_s = stale_after_s
+
+    def _taken(self, entry: tuple[list[str], float], adapter: EngineAdapter, now: float) -> bool:
+        engine_ids, since = entry
+        return now - since < self.stale_after_s or adapter.has_requests(engine_ids)
+
+    def claim(self, user_id: str | None, engine_ids: list[str], adapter: EngineAdapter) -> None:
+        if user_id is None:
+            return
+        now = time.monotonic()
+        held = self.ids.get(user_id)
+        if held is not None and self._taken(held, adapter, now):
+            raise AdapterError(f"Request id {user_id!r} is already in use by a request in flight.",
+                               param="request_id", code="duplicate_request_id")
+        if len(self.ids) > 4096:
+            self.ids = {k: v for k, v in self.ids.items() if self._taken(v, adapter, now)}
+        self.ids[user_id] = (engine_ids, now)
+
+    def release(self, user_id: str | None, engine_ids: list[str]) -> None:
+        held = self.ids.get(user_id) if user_id is not None else None
+        if held is not None and held[0] is engine_ids:
+            del self.ids[user_id]
+
+
+def _request_ids(request: Request) -> InflightRequestIds:
+    ids = getattr(request.app.state, "request_ids", None)
+    if ids is None:
+        ids = request.app.state.request_ids = InflightRequestIds()
+    return ids
+
+
 def build_router() -> APIRouter:
     router = APIRouter()
-    router.add_api_route("/models", list_models, methods=["GET"])
-    router.add_api_route("/chat/completions", create_chat_completion, methods=["POST"])
-    router.add_api_route("/completions", create_completion, methods=["POST"])
+    for path, (endpoint, method) in _ROUTES.items():
+        router.add_api_route(path, endpoint, methods=[method])
+    # last: any other path under the app answers OpenAI's JSON (a host that mounts the app only
+    # where one of its routes matches, as BentoML does, sends those paths here too)
+    router.add_api_route("/{path:path}", no_such_route, methods=_ALL_METHODS, include_in_schema=False)
     return router
+
+
+_ALL_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+async def no_such_route(request: Request) -> JSONResponse:
+    """404 for an unknown path, 405 for a known path asked with another method."""
+    if "/" + request.path_params.get("path", "") in _ROUTES:
+        return error_response(AdapterError(f"Method {request.method} is not allowed on {request.url.path}.",
+                                           code="method_not_allowed"), status=405)
+    return error_response(AdapterError(f"No route {request.method} {request.url.path}.", kind="not_found",
+                                       code="not_found"))
 
 
 # -- endpoints ---------------------------------------------------------------------------
 
 async def list_models(request: Request) -> JSONResponse:
-    adapter = _adapter(request)
-    info = adapter.model_info()
-    card = ModelCard(id=adapter.served_model_name, root=info.get("model_dir") or adapter.config.model,
-                     max_model_len=info.get("max_model_len"))
-    return JSONResponse(ModelList(data=[card]).model_dump())
+    return JSONResponse(model_list_json(_adapter(request), expose_path=_options(request).expose_model_path))
 
 
 def _check_model(adapter: EngineAdapter, model: str | None) -> None:
@@ -248,11 +376,11 @@ async def _until_disconnect(request: Request, work: asyncio.Future) -> Any:
             if done:
                 return task.result()
             if await request.is_disconnected():
-                task.cancel()
                 raise AdapterError("The client disconnected.", kind="invalid_request")
     finally:
-        if not task.done():
+        if not task.done():  # cancelled (its requests aborted) and awaited: nothing runs on behind us
             task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
 
 async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput | None) -> RequestOutput | None:
@@ -262,12 +390,55 @@ async def _collect(stream: AsyncIterator[RequestOutput], first: RequestOutput | 
     return acc
 
 
-def _usage(outs: Sequence[RequestOutput | None]) -> UsageInfo:
+async def _gather_all(coros: Sequence[Any]) -> list[Any]:
+    """``asyncio.gather`` that cancels and awaits the others when one fails or it is cancelled,
+    so no request keeps running (or holds its stream) behind an error."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+def _usage(outs: Sequence[RequestOutput | None], details: bool = True) -> UsageInfo:
     prompt = sum(o.usage.prompt_tokens for o in outs if o is not None)
     completion = sum(o.usage.completion_tokens for o in outs if o is not None)
     cached = sum(o.usage.cached_tokens for o in outs if o is not None)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if details else None)
+
+
+# chat_template_kwargs names that are apply_chat_template's own arguments, not template variables
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "tokenize", "add_generation_prompt", "continue_final_message", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def chat_template_kwargs(body: ChatCompletionRequest, options: ServingOptions) -> dict[str, Any]:
+    """The template variables a chat request passes; a template of its own only when trusted.
+
+    A request-supplied Jinja template can spend unbounded CPU and memory in the sandbox,
+    so it is refused unless the operator set ``trust_request_chat_template``."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    template = kwargs.pop("chat_template", None)
+    if body.chat_template is not None:
+        template = body.chat_template
+    bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise AdapterError(f"chat_template_kwargs may not set '{bad[0]}'.", param="chat_template_kwargs")
+    if template is not None:
+        if not options.trust_request_chat_template:
+            raise AdapterError("This server does not accept chat templates sent with a request (chat_template); "
+                               "the model's own template is used.", param="chat_template",
+                               code="chat_template_not_allowed")
+        if not isinstance(template, str):
+            raise AdapterError("chat_template must be a string.", param="chat_template")
+        kwargs["chat_template"] = template
+    return kwargs
 
 
 def _sse(model: pydantic.BaseModel) -> str:
@@ -357,33 +528,56 @@ def _completion_logprobs(token_ids: Sequence[int], logprobs: Sequence[LogprobsDi
 # -- chat --------------------------------------------------------------------------------
 
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
-    adapter = _adapter(request)
+    adapter, options = _adapter(request), _options(request)
     _check_model(adapter, body.model)
     params, names = chat_sampling_params(body)
-    prompt_ids = adapter.encode_chat(_message_dicts(body.messages), add_generation_prompt=body.add_generation_prompt,
-                                     chat_template_kwargs=body.chat_template_kwargs)
-    rid = f"chatcmpl-{body.request_id or uuid.uuid4().hex}"
-    stream = adapter.generate(prompt_ids, params, request_id=rid, field_names=names)
-    first = await _first_delta(stream)
-    model = adapter.served_model_name
-    text = _TokenText(adapter.tokenizer) if body.logprobs else None
-    k = body.top_logprobs or 0
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _chat_stream(rid, model, params.n, first, stream, text, k, include_usage)
-        return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
-    final = await _until_disconnect(request, _collect(stream, first))
+    template_kwargs = chat_template_kwargs(body, options)
+    messages = _message_dicts(body.messages)
+    salt = effective_cache_salt(body.cache_salt, body.user, from_user=options.cache_salt_from_user)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: made here, never from user input
+    response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else rid
+    engine_ids, inflight = [rid], _request_ids(request)
+    inflight.claim(body.request_id, engine_ids, adapter)
+    handed_off = False
+    try:
+        async def start() -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
+            prompt_ids = await adapter.encode_chat_async(messages, add_generation_prompt=body.add_generation_prompt,
+                                                         chat_template_kwargs=template_kwargs)
+            stream = adapter.generate(prompt_ids, params, request_id=rid, cache_salt=salt, field_names=names)
+            try:
+                return stream, await _first_delta(stream)
+            except BaseException:
+                await stream.aclose()
+                raise
+
+        # the client may leave while the prompt is tokenized or prefilled: its request is aborted then
+        stream, first = await _until_disconnect(request, start())
+        model = adapter.served_model_name
+        text = _TokenText(adapter.tokenizer) if body.logprobs else None
+        k = body.top_logprobs or 0
+        details = options.enable_prompt_tokens_details
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = _chat_stream(response_id, model, params.n, first, stream, text, k, include_usage, details,
+                               on_close=lambda: inflight.release(body.request_id, engine_ids))
+            handed_off = True
+            return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
+        final = await _until_disconnect(request, _collect(stream, first))
+    finally:
+        if not handed_off:
+            inflight.release(body.request_id, engine_ids)
     choices = []
     for c in final.outputs if final is not None else []:
         lp = _chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None else None
         choices.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    resp = ChatCompletionResponse(id=rid, model=model, choices=choices, usage=_usage([final]))
+    resp = ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=_usage([final], details))
     return JSONResponse(resp.model_dump())
 
 
 async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput],
-                       text: _TokenText | None, k: int, include_usage: bool) -> AsyncIterator[str]:
+                       text: _TokenText | None, k: int, include_usage: bool, details: bool,
+                       on_close: Callable[[], None]) -> AsyncIterator[str]:
     """SSE events of a chat stream; the events of one delta go out in one write."""
     created = int(time.time())
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
@@ -430,7 +624,7 @@ async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None
             yield head
         if include_usage:
             yield _sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=model,
-                                            choices=[], usage=_usage([last])))
+                                            choices=[], usage=_usage([last], details)))
     except AdapterError as err:
         yield _sse_error(err)
     except Exception as exc:  # after the headers went out an error can only be an SSE event
@@ -438,6 +632,7 @@ async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None
         yield _sse_error(to_adapter_error(exc))
     finally:
         await stream.aclose()  # a client gone mid-stream lands here: abort, free the blocks
+        on_close()
     yield "data: [DONE]\n\n"
 
 
@@ -489,33 +684,54 @@ async def _merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIt
 
 
 async def create_completion(body: CompletionRequest, request: Request) -> Any:
-    adapter = _adapter(request)
+    adapter, options = _adapter(request), _options(request)
     _check_model(adapter, body.model)
     if body.suffix is not None:
         raise AdapterError("'suffix' is not supported.", param="suffix")
     params, names = completion_sampling_params(body)
     prompts = _prompts(body.prompt)
-    rid = f"cmpl-{body.request_id or uuid.uuid4().hex}"
-    streams, firsts = [], []
+    if len(prompts) * params.n > options.max_batch_prompts:
+        raise AdapterError(f"This request asks for {len(prompts)} prompt(s) x n = {params.n} completions, more than "
+                           f"this server takes in one request ({options.max_batch_prompts}).", param="prompt",
+                           code="too_many_prompts")
+    salt = effective_cache_salt(body.cache_salt, body.user, from_user=options.cache_salt_from_user)
+    rid = f"cmpl-{uuid.uuid4().hex}"  # the engine's ids: made here, never from user input
+    engine_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
+    response_id = f"cmpl-{body.request_id}" if body.request_id is not None else rid
+    inflight = _request_ids(request)
+    inflight.claim(body.request_id, engine_ids, adapter)
+    handed_off = False
     try:
-        for i, p in enumerate(prompts):
-            s = adapter.generate(p, params, request_id=f"{rid}-{i}" if len(prompts) > 1 else rid, field_names=names)
-            streams.append(s)
-            firsts.append(await _first_delta(s))
-    except BaseException:
-        for s in streams:
-            await s.aclose()
-        raise
-    tok = adapter.tokenizer
-    text = _TokenText(tok)
-    echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in prompts]
-    model = adapter.served_model_name
-    if body.stream:
-        include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        gen = _completion_stream(rid, model, params.n, firsts, streams, echoes, body, text, include_usage)
-        return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
-    finals = await _until_disconnect(request, asyncio.gather(*(_collect(s, f) for f, s in zip(firsts, streams,
-                                                                                              strict=True))))
+        # every prompt is submitted at once (one batch in the engine); any refusal or a client
+        # gone before the first tokens aborts them all
+        streams = [adapter.generate(p, params, request_id=eid, cache_salt=salt, field_names=names)
+                   for p, eid in zip(prompts, engine_ids, strict=True)]
+        try:
+            firsts = await _until_disconnect(request, _gather_all([_first_delta(s) for s in streams]))
+        except BaseException:
+            for s in streams:
+                await s.aclose()
+            raise
+        tok = adapter.tokenizer
+        text = _TokenText(tok)
+        echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in prompts]
+        model = adapter.served_model_name
+        details = options.enable_prompt_tokens_details
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = _completion_stream(response_id, model, params.n, firsts, streams, echoes, body, text, include_usage,
+                                     details, on_close=lambda: inflight.release(body.request_id, engine_ids))
+            handed_off = True
+            return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
+        try:
+            finals = await _until_disconnect(request, _gather_all([_collect(s, f) for f, s in zip(firsts, streams,
+                                                                                                 strict=True)]))
+        finally:
+            for s in streams:
+                await s.aclose()
+    finally:
+        if not handed_off:
+            inflight.release(body.request_id, engine_ids)
     choices = []
     for pi, final in enumerate(finals):
         if final is None:
@@ -531,7 +747,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
                 _extend(lp, gen_lp)
             choices.append(CompletionChoice(index=pi * params.n + c.index, text=echoes[pi] + c.text, logprobs=lp,
                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason))
-    resp = CompletionResponse(id=rid, model=model, choices=choices, usage=_usage(finals))
+    resp = CompletionResponse(id=response_id, model=model, choices=choices, usage=_usage(finals, details))
     return JSONResponse(resp.model_dump())
 
 
@@ -544,7 +760,8 @@ def _extend(acc: CompletionLogprobs, more: CompletionLogprobs) -> None:
 
 async def _completion_stream(rid: str, model: str, n: int, firsts: list[RequestOutput | None],
                              streams: list[AsyncIterator[RequestOutput]], echoes: list[str], body: CompletionRequest,
-                             text: _TokenText, include_usage: bool) -> AsyncIterator[str]:
+                             text: _TokenText, include_usage: bool, details: bool,
+                             on_close: Callable[[], None]) -> AsyncIterator[str]:
     """SSE events of a completion stream; the events of one delta go out in one write."""
     created = int(time.time())
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
@@ -604,7 +821,7 @@ async def _completion_stream(rid: str, model: str, n: int, firsts: list[RequestO
                 yield out
         if include_usage:
             yield _sse(CompletionResponse(id=rid, object="text_completion", created=created, model=model,
-                                          choices=[], usage=_usage(list(last.values()))))
+                                          choices=[], usage=_usage(list(last.values()), details)))
     except AdapterError as err:
         yield _sse_error(err)
     except Exception as exc:
@@ -613,11 +830,20 @@ async def _completion_stream(rid: str, model: str, n: int, firsts: list[RequestO
     finally:
         for s in streams:
             await s.aclose()
+        on_close()
     yield "data: [DONE]\n\n"
 
 
-def model_list_json(adapter: EngineAdapter) -> Mapping[str, Any]:
-    """The ``/v1/models`` body (for adapters that serve it outside FastAPI)."""
+def model_list_json(adapter: EngineAdapter, *, expose_path: bool = False) -> dict[str, Any]:
+    """The ``/v1/models`` body; ``root`` is the model's directory only when ``expose_path``."""
     info = adapter.model_info()
-    return json.loads(ModelList(data=[ModelCard(id=adapter.served_model_name, max_model_len=info.get("max_model_len"),
-                                                root=info.get("model_dir"))]).model_dump_json())
+    root = (info.get("model_dir") or adapter.config.model) if expose_path else adapter.served_model_name
+    card = ModelCard(id=adapter.served_model_name, root=root, max_model_len=info.get("max_model_len"))
+    return json.loads(ModelList(data=[card]).model_dump_json())
+
+
+_ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
+    "/models": (list_models, "GET"),
+    "/chat/completions": (create_chat_completion, "POST"),
+    "/completions": (create_completion, "POST"),
+}

@@ -156,7 +156,7 @@ class TritonPythonModel:
         try:
             inputs = self._read_inputs(request)
             state = OutputState(n=inputs.params.n)
-            stream = self.adapter.generate(inputs.prompt, inputs.params, request_id=rid)
+            stream = self.adapter.generate(inputs.prompt, inputs.params, request_id=rid, cache_salt=inputs.cache_salt)
             acc = None
             async for delta in stream:
                 cancelled = status["cancelled"] if inputs.stream else sender.is_cancelled()

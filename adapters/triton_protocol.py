@@ -82,12 +82,22 @@ def engine_config_from_model_json(args: Mapping[str, Any]) -> tuple[EngineConfig
 
 def parse_sampling_parameters(text: str | bytes | None) -> SamplingParams:
     """vllm_backend's ``sampling_parameters`` JSON: None values dropped, strings converted."""
+    return parse_request_parameters(text)[0]
+
+
+def parse_request_parameters(text: str | bytes | None) -> tuple[SamplingParams, str | None]:
+    """``sampling_parameters`` as SamplingParams, and the request's ``cache_salt`` (vLLM's
+    per-request prefix-cache salt, sent in the same JSON) or None."""
     if text is None:
-        return SamplingParams()
+        return SamplingParams(), None
     if isinstance(text, bytes):
-        text = text.decode("utf-8")
+        try:
+            text = text.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise AdapterError(f"sampling_parameters is not UTF-8 text: {exc.reason}.",
+                               param="sampling_parameters") from None
     if not text.strip():
-        return SamplingParams()
+        return SamplingParams(), None
     try:
         values = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -97,7 +107,10 @@ def parse_sampling_parameters(text: str | bytes | None) -> SamplingParams:
     values = {k: v for k, v in values.items() if v is not None}
     if "lora_name" in values:
         raise AdapterError("LoRA feature is not enabled.", param="lora_name")
-    return build_sampling_params(values, coerce_strings=True)
+    salt = values.pop("cache_salt", None)
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
+        raise AdapterError("cache_salt must be a non-empty string of at most 1024 characters.", param="cache_salt")
+    return build_sampling_params(values, coerce_strings=True), salt
 
 
 @dataclass
@@ -109,6 +122,7 @@ class GenerateInputs:
     stream: bool = False
     prepend_input: bool = True
     returns: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(RETURN_FLAGS, False))
+    cache_salt: str | None = None
 
     @classmethod
     def from_values(cls, text_input: str | bytes | None, *, stream: bool | None = None,
@@ -117,7 +131,10 @@ class GenerateInputs:
         """vllm_backend's rules: the prompt is prepended unless excluded, never while streaming."""
         if text_input is None:
             raise AdapterError("The input 'text_input' is required.", param="text_input")
-        prompt = text_input.decode("utf-8") if isinstance(text_input, bytes) else str(text_input)
+        try:
+            prompt = text_input.decode("utf-8") if isinstance(text_input, bytes) else str(text_input)
+        except UnicodeDecodeError as exc:
+            raise AdapterError(f"text_input is not UTF-8 text: {exc.reason}.", param="text_input") from None
         streaming = bool(stream)
         if exclude_input_in_output is None:
             prepend = not streaming
@@ -127,7 +144,8 @@ class GenerateInputs:
             raise AdapterError("When streaming, `exclude_input_in_output` = False is not allowed.",
                                param="exclude_input_in_output")
         flags = {k: bool((returns or {}).get(k)) for k in RETURN_FLAGS}
-        return cls(prompt, parse_sampling_parameters(sampling_parameters), streaming, prepend, flags)
+        params, salt = parse_request_parameters(sampling_parameters)
+        return cls(prompt, params, streaming, prepend, flags, salt)
 
 
 @dataclass

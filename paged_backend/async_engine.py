@@ -11,9 +11,12 @@ and the loop thread wakes each event loop once per step, not once per request.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import logging
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
@@ -113,6 +116,8 @@ class AsyncEngine:
         self._stopped = threading.Event()
         self._dead: BaseException | None = None
         self._stats: dict = self.engine.get_stats()
+        self._input_pool = concurrent.futures.ThreadPoolExecutor(max_workers=2,
+                                                                 thread_name_prefix="paged-backend-input")
         self._thread = threading.Thread(target=self._loop, name="paged-backend-engine", daemon=True)
         self._thread.start()
 
@@ -121,6 +126,21 @@ class AsyncEngine:
     @property
     def is_ready(self) -> bool:
         return self._thread.is_alive() and self._dead is None and not self._stopped.is_set()
+
+    @property
+    def is_dead(self) -> bool:
+        """The loop thread ended by an error (not by ``shutdown``): nothing will be served again."""
+        return self._dead is not None
+
+    def has_request(self, request_id: str) -> bool:
+        """Whether a request of this id is in flight (submitted, its stream not yet closed)."""
+        with self._lock:
+            return request_id in self._streams
+
+    async def run_blocking(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        """Run CPU-bound input work (tokenizing, chat templates) off the caller's event loop."""
+        return await asyncio.get_running_loop().run_in_executor(self._input_pool,
+                                                                functools.partial(fn, *args, **kwargs))
 
     @property
     def tokenizer(self):
@@ -145,7 +165,12 @@ class AsyncEngine:
         if self._dead is not None:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         request_id = request_id or uuid.uuid4().hex
-        prep = self.engine.process_input(request_id, prompt, sampling_params, cache_salt=cache_salt)
+        if isinstance(prompt, str):  # tokenizing a long text must not hold up the caller's event loop
+            prep = await asyncio.get_running_loop().run_in_executor(
+                self._input_pool, functools.partial(self.engine.process_input, request_id, prompt, sampling_params,
+                                                    cache_salt=cache_salt))
+        else:
+            prep = self.engine.process_input(request_id, prompt, sampling_params, cache_salt=cache_salt)
         stream = _Stream(asyncio.get_running_loop(), prep.params.output_kind is RequestOutputKind.DELTA)
         with self._lock:
             if request_id in self._streams:
@@ -174,11 +199,27 @@ class AsyncEngine:
         self._send("abort", request_id, done)
         await asyncio.get_running_loop().run_in_executor(None, done.wait, 5.0)
 
+    def abort_all(self, timeout: float = 5.0) -> int:
+        """Abort every request in flight (each ends with finish_reason "abort"); returns how many."""
+        with self._lock:
+            ids = list(self._streams)
+        events = []
+        for rid in ids:
+            done = threading.Event()
+            self._send("abort", rid, done)
+            events.append(done)
+        deadline = time.monotonic() + timeout
+        for done in events:
+            if not done.wait(max(0.0, deadline - time.monotonic())):
+                break
+        return len(ids)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         """Stop the loop thread; pending requests finish with an error."""
         self._stopped.set()
         self._wake.set()
         self._thread.join(timeout)
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
         self.engine.shutdown()  # tensor-parallel workers
 
     # -- the loop thread ---------------------------------------------------------------

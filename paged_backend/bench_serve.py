@@ -473,6 +473,285 @@ async def run_benchmark(requests: Sequence[SampleRequest], *, api_url: str,
     return list(results), duration
 
 
+# -- soak (--duration) -------------------------------------------------------------------
+
+_SOAK_WINDOW_S = 1200.0  # the RSS verdict looks at the last 20 minutes of a soak ...
+_SOAK_TOLERANCE = 0.05  # ... and calls it flat when max / min - 1 stays within 5%
+_MIB = 1024.0 * 1024.0
+
+
+def aggregate_interval(index: int, elapsed: float, seconds: float, results: Sequence[RequestResult],
+                       rss: int | None = None, worker_rss: int | None = None) -> dict[str, Any]:
+    """One soak table row from the requests that completed in one interval.
+
+    ``elapsed`` is the interval's end in seconds after the start and ``seconds`` its length
+    (the last one may be longer or shorter than ``--interval``); output tok/s is the
+    successful requests' output tokens over ``seconds``. Latencies are client-side, in ms,
+    ``None`` when no successful request of the interval has one; RSS is in bytes.
+    """
+    import numpy as np
+
+    ok = [r for r in results if r.success]
+    tpots = [request_tpot(r) * 1000.0 for r in ok if r.output_tokens > 1]
+    ttfts = [r.ttft * 1000.0 for r in ok]
+
+    def pct(values: list[float], p: float) -> float | None:
+        return float(np.percentile(values, p)) if values else None
+
+    return {"interval": index, "elapsed_s": elapsed, "seconds": seconds, "completed": len(ok),
+            "errors": len(results) - len(ok),
+            "first_error": next((r.error for r in results if not r.success), None),
+            "output_tokens": sum(r.output_tokens for r in ok),
+            "output_throughput": sum(r.output_tokens for r in ok) / seconds if seconds > 0 else 0.0,
+            "p50_tpot_ms": pct(tpots, 50), "p99_tpot_ms": pct(tpots, 99), "p50_ttft_ms": pct(ttfts, 50),
+            "rss_bytes": rss, "worker_rss_bytes": worker_rss}
+
+
+_ROW_HEADER = (f"{'int':>4} {'elapsed s':>9} {'reqs':>6} {'errs':>5} {'out tok/s':>9} {'TPOT p50':>9} "
+               f"{'TPOT p99':>9} {'TTFT p50':>9} {'RSS MiB':>9} {'worker MiB':>10}")
+
+
+def format_interval_row(row: dict[str, Any]) -> str:
+    """One line of the soak table under ``_ROW_HEADER`` (``-`` for a missing value)."""
+
+    def num(value: float | None, width: int, digits: int = 1) -> str:
+        return f"{'-' if value is None else f'{value:.{digits}f}':>{width}}"
+
+    def mib(value: int | None, width: int) -> str:
+        return num(None if value is None else value / _MIB, width)
+
+    return (f"{row['interval']:>4} {row['elapsed_s']:>9.1f} {row['completed']:>6} {row['errors']:>5} "
+            f"{row['output_throughput']:>9.1f} {num(row['p50_tpot_ms'], 9, 2)} {num(row['p99_tpot_ms'], 9, 2)} "
+            f"{num(row['p50_ttft_ms'], 9)} {mib(row['rss_bytes'], 9)} {mib(row['worker_rss_bytes'], 10)}")
+
+
+def rss_flatness(rows: Sequence[dict[str, Any]], *, key: str = "rss_bytes", window_s: float = _SOAK_WINDOW_S,
+                 tolerance: float = _SOAK_TOLERANCE) -> dict[str, Any]:
+    """Whether the RSS samples (one per row, taken at the row's ``elapsed_s``) stay flat.
+
+    The window is the last ``window_s`` seconds of the run, or its last two thirds when
+    that is shorter (the first third is warm-up): every row whose sample was taken at or
+    after ``end - window`` counts. Flat when ``max / min - 1 <= tolerance``; ``flat`` is
+    ``None`` when fewer than two samples in the window have an RSS.
+    """
+    if not rows:
+        return {"window_s": 0.0, "intervals": 0, "first": None, "last": None, "min": None, "max": None,
+                "growth": None, "flat": None, "tolerance": tolerance}
+    end = max(r["elapsed_s"] for r in rows)
+    window = min(window_s, end * 2.0 / 3.0)
+    values = [r[key] for r in rows if r["elapsed_s"] >= end - window - 1e-9 and r.get(key) is not None]
+    out: dict[str, Any] = {"window_s": window, "intervals": len(values), "tolerance": tolerance,
+                           "first": values[0] if values else None, "last": values[-1] if values else None,
+                           "min": min(values) if values else None, "max": max(values) if values else None,
+                           "growth": None, "flat": None}
+    if len(values) >= 2 and out["min"] > 0:
+        out["growth"] = out["max"] / out["min"] - 1.0
+        out["flat"] = out["growth"] <= tolerance
+    return out
+
+
+def format_rss_summary(v: dict[str, Any], label: str = "server RSS") -> str:
+    """The soak's closing lines about one RSS series (``rss_flatness``'s answer)."""
+    if v["intervals"] == 0:
+        return f"{label}: not measured (no --server-pid and no process_resident_memory_bytes at /metrics)"
+    head = (f"{label} over the last {v['intervals']} intervals ({v['window_s']:.0f} s): first "
+            f"{v['first'] / _MIB:.1f}, last {v['last'] / _MIB:.1f}, min {v['min'] / _MIB:.1f}, "
+            f"max {v['max'] / _MIB:.1f} MiB")
+    if v["flat"] is None:
+        return head + "; too few samples for a verdict"
+    verdict = "flat" if v["flat"] else "NOT flat"
+    return (f"{head}; max/min - 1 = {v['growth'] * 100:.2f}%: {verdict} "
+            f"(within {v['tolerance'] * 100:g}%: {'yes' if v['flat'] else 'no'})")
+
+
+def _vm_rss(pid: int) -> int | None:
+    """``VmRSS`` of ``/proc/PID/status`` in bytes (psutil's RSS where there is no /proc)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+        return None
+    except FileNotFoundError:
+        if Path("/proc/self/status").exists():
+            return None  # the process is gone
+    except (OSError, ValueError):
+        return None
+    import psutil
+
+    try:
+        return int(psutil.Process(pid).memory_info().rss)
+    except psutil.Error:
+        return None
+
+
+def process_tree_rss(pid: int) -> tuple[int | None, int | None]:
+    """(RSS of the process plus all its descendants, RSS of its largest descendant) in bytes.
+
+    Pointed at the ``bentoml serve`` parent, the largest descendant is the worker that holds
+    the engine; a process without children reports ``None`` for it. Shared pages count
+    once per process (VmRSS), as ``ps`` shows them. ``(None, None)`` once the process is gone.
+    """
+    import psutil
+
+    own = _vm_rss(pid)
+    if own is None:
+        return None, None
+    try:
+        children = psutil.Process(pid).children(recursive=True)
+    except psutil.Error:
+        children = []
+    kids = [r for r in (_vm_rss(c.pid) for c in children) if r is not None]
+    return own + sum(kids), (max(kids) if kids else None)
+
+
+_RSS_METRIC = re.compile(r"^process_resident_memory_bytes(?:\{[^}]*\})?\s+(\S+)", re.MULTILINE)
+
+
+def metrics_rss(text: str) -> int | None:
+    """``process_resident_memory_bytes`` from a Prometheus text page (summed over its series)."""
+    values = []
+    for m in _RSS_METRIC.finditer(text):
+        try:
+            values.append(float(m.group(1)))
+        except ValueError:
+            continue
+    return int(sum(values)) if values else None
+
+
+class PromptStream:
+    """Fresh random prompts without end: batches of ``batch`` prompts with seeds seed, seed+1, ...
+
+    The next batch is made in a thread while the current one is half used, so the event
+    loop (which times the streams) does not stall on the tokenizer.
+    """
+
+    def __init__(self, make_batch: Callable[[int], list[SampleRequest]], seed: int) -> None:
+        self._make = make_batch
+        self._seed = seed
+        self._batch = make_batch(seed)
+        self._pos = 0
+        self._next: asyncio.Future[list[SampleRequest]] | None = None
+
+    async def next(self) -> SampleRequest:
+        if self._next is None and self._pos >= len(self._batch) // 2:
+            self._seed += 1
+            self._next = asyncio.ensure_future(asyncio.to_thread(self._make, self._seed))
+        if self._pos >= len(self._batch):
+            assert self._next is not None
+            self._batch, self._next, self._pos = await self._next, None, 0
+        self._pos += 1
+        return self._batch[self._pos - 1]
+
+
+async def run_soak(prompts: PromptStream, *, api_url: str, make_payload: Callable[[SampleRequest], dict[str, Any]],
+                   chat: bool, duration_s: float, interval_s: float, max_concurrency: int,
+                   request_rate: float = math.inf, burstiness: float = 1.0, seed: int = 0,
+                   headers: dict[str, str] | None = None, timeout_s: float = _TIMEOUT_S,
+                   server_pid: int | None = None, metrics_url: str | None = None,
+                   on_row: Callable[[dict[str, Any]], None] | None = None,
+                   ) -> tuple[list[RequestResult], float, list[dict[str, Any]]]:
+    """Keep ``max_concurrency`` streams busy (or send at ``request_rate``, never more in flight)
+    until ``duration_s`` is over, one table row per ``interval_s``.
+
+    A request that completes counts in the interval in which it completed; the requests
+    still in flight at the end finish and count in the last interval. RSS is sampled at each
+    row: the server process tree's (``server_pid``), else ``process_resident_memory_bytes``
+    from ``metrics_url``. Returns every result, the wall time and the rows.
+    """
+    import aiohttp
+    import numpy as np
+
+    rng = np.random.default_rng([seed, 1])
+    sem = asyncio.Semaphore(max_concurrency)
+    connector = aiohttp.TCPConnector(limit=max_concurrency)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30.0, sock_read=timeout_s)
+    everything: list[RequestResult] = []
+    current: list[RequestResult] = []
+    rows: list[dict[str, Any]] = []
+    tasks: set[asyncio.Task[None]] = set()
+    metrics_seen = [True]
+
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as client, \
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=10.0)) as side:
+
+        async def sample_rss() -> tuple[int | None, int | None]:
+            if server_pid is not None:
+                return process_tree_rss(server_pid)
+            if metrics_url is None or not metrics_seen[0]:
+                return None, None
+            try:
+                async with side.get(metrics_url) as resp:
+                    value = metrics_rss(await resp.text()) if resp.status == 200 else None
+            except (aiohttp.ClientError, asyncio.TimeoutError):
+                return None, None
+            if value is None and not rows:
+                metrics_seen[0] = False  # the server does not export it: stop asking
+            return value, None
+
+        async def one(req: SampleRequest) -> None:
+            try:
+                res = await send_request(client, api_url, make_payload(req), prompt_len=req.prompt_len, chat=chat,
+                                         headers=headers)
+                everything.append(res)
+                current.append(res)
+            finally:
+                sem.release()
+
+        t0 = time.perf_counter()
+        deadline = t0 + duration_s
+
+        async def dispatch() -> None:
+            next_at = t0
+            while True:
+                if not math.isinf(request_rate):
+                    delay = min(next_at, deadline) - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    if time.perf_counter() >= deadline:
+                        return
+                    next_at += float(rng.gamma(shape=burstiness, scale=1.0 / (request_rate * burstiness)))
+                req = await prompts.next()
+                await sem.acquire()
+                if time.perf_counter() >= deadline:
+                    sem.release()
+                    return
+                task = asyncio.ensure_future(one(req))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+
+        dispatcher = asyncio.ensure_future(dispatch())
+        start_of = 0.0
+        index = 1
+        try:
+            while True:
+                tick = t0 + index * interval_s
+                last = tick >= deadline - 1e-6
+                if last:
+                    await dispatcher
+                    while tasks:
+                        await asyncio.gather(*list(tasks), return_exceptions=True)
+                else:
+                    await asyncio.sleep(max(0.0, tick - time.perf_counter()))
+                now = time.perf_counter() - t0
+                done, current[:] = list(current), []
+                rss, worker = await sample_rss()
+                row = aggregate_interval(index, now, now - start_of, done, rss, worker)
+                rows.append(row)
+                if on_row is not None:
+                    on_row(row)
+                start_of = now
+                index += 1
+                if last:
+                    break
+        finally:
+            dispatcher.cancel()
+            for task in list(tasks):
+                task.cancel()
+        wall = time.perf_counter() - t0
+    return everything, wall, rows
+
+
 # -- command line ------------------------------------------------------------------------
 
 def _positive(kind: type) -> Callable[[str], Any]:
@@ -551,6 +830,17 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--save-detailed", action="store_true",
                    help="also put per-request lengths, TTFTs, ITLs and errors into the JSON line")
     p.add_argument("--disable-tqdm", action="store_true")
+    soak = p.add_argument_group("soak", "run for a time instead of a number of prompts, one table row per interval")
+    soak.add_argument("--duration", type=_positive(float), default=None, metavar="SECONDS",
+                      help="keep --max-concurrency streams busy for this long (fresh prompts in batches of "
+                      "--num-prompts, seeds --seed, --seed + 1, ...); the in-flight requests then finish")
+    soak.add_argument("--interval", type=_positive(float), default=60.0, metavar="SECONDS",
+                      help="with --duration: print a row (requests, errors, tok/s, TPOT, TTFT, server RSS) "
+                      "every this many seconds")
+    soak.add_argument("--server-pid", type=int, default=None, metavar="PID",
+                      help="with --duration: the server's pid (e.g. `bentoml serve`'s); RSS is the sum over it "
+                      "and its children, the largest child (the worker) shown too. Without it: "
+                      "process_resident_memory_bytes from GET /metrics when the server exports it")
     p.set_defaults(func=run_serve)
 
 
@@ -589,6 +879,12 @@ def run_serve(args: argparse.Namespace) -> int:
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one INFO line per request otherwise
     base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
     endpoint = "/" + args.endpoint.lstrip("/")
+    if args.duration is not None and args.max_concurrency is None:
+        print("error: --duration needs --max-concurrency (the number of streams to keep busy)", file=sys.stderr)
+        return 2
+    if args.server_pid is not None and args.duration is None:
+        print("error: --server-pid is only used with --duration", file=sys.stderr)
+        return 2
     if not endpoint.endswith("completions"):
         print(f"error: --endpoint {endpoint} is neither /v1/completions nor /v1/chat/completions",
               file=sys.stderr)
@@ -617,6 +913,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     tokenizer = AutoTokenizer.from_pretrained(tok_dir)
+    if args.duration is not None:
+        return _run_soak_command(args, tokenizer=tokenizer, tok_dir=tok_dir, model=model, base_url=base_url,
+                                 endpoint=endpoint, chat=chat, headers=headers, goodput=goodput)
     requests = sample_random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
                                       args.random_range_ratio, args.seed)
     print(f"bench serve: {len(requests)} prompts to {api_url} (model {model}, tokenizer {tok_dir}), "
@@ -645,6 +944,70 @@ def run_serve(args: argparse.Namespace) -> int:
                        ttfts=[r.ttft for r in results], e2els=[r.latency for r in results],
                        itls=[r.itl for r in results], text_chunks=[r.text_chunks for r in results],
                        errors=[r.error for r in results])
+        with open(args.json, "a") as f:
+            f.write(json.dumps(row) + "\n")
+    return 0 if metrics["completed"] else 1
+
+
+def _run_soak_command(args: argparse.Namespace, *, tokenizer: Any, tok_dir: str, model: str, base_url: str,
+                      endpoint: str, chat: bool, headers: dict[str, str], goodput: dict[str, float] | None) -> int:
+    """``bench serve --duration``: the soak's table, its totals and the RSS verdict."""
+    import psutil
+
+    if args.server_pid is not None and not psutil.pid_exists(args.server_pid):
+        print(f"error: --server-pid {args.server_pid}: no such process", file=sys.stderr)
+        return 2
+    api_url = base_url + endpoint
+
+    def make_batch(seed: int) -> list[SampleRequest]:
+        return sample_random_requests(tokenizer, args.num_prompts, args.random_input_len, args.random_output_len,
+                                      args.random_range_ratio, seed)
+
+    def make_payload(req: SampleRequest) -> dict[str, Any]:
+        return build_payload(req, model=model, chat=chat, temperature=args.temperature, ignore_eos=args.ignore_eos)
+
+    rss_from = (f"pid {args.server_pid} and its children" if args.server_pid is not None
+                else f"{base_url}/metrics process_resident_memory_bytes")
+    prompts = PromptStream(make_batch, args.seed)
+    print(f"bench serve soak: {args.duration:g} s to {api_url} (model {model}, tokenizer {tok_dir}), "
+          f"{args.max_concurrency} streams, request rate {args.request_rate}, a row every {args.interval:g} s; "
+          f"RSS from {rss_from}", flush=True)
+    print(_ROW_HEADER, flush=True)
+    common = {"backend": "openai-chat" if chat else "openai", "base_url": base_url, "endpoint": endpoint,
+              "model_id": model, "random_input_len": args.random_input_len,
+              "random_output_len": args.random_output_len, "max_concurrency": args.max_concurrency,
+              "soak_duration": args.duration, "interval": args.interval, "server_pid": args.server_pid}
+
+    def on_row(row: dict[str, Any]) -> None:
+        print(format_interval_row(row), flush=True)
+        if row["errors"]:
+            print(f"     first error of interval {row['interval']}: {row['first_error']}", file=sys.stderr,
+                  flush=True)
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps({"kind": "soak_interval", "date": datetime.now().strftime("%Y%m%d-%H%M%S"),
+                                    **common, **row}) + "\n")
+
+    results, wall, rows = asyncio.run(run_soak(
+        prompts, api_url=api_url, make_payload=make_payload, chat=chat, duration_s=args.duration,
+        interval_s=args.interval, max_concurrency=args.max_concurrency, request_rate=args.request_rate,
+        burstiness=args.burstiness, seed=args.seed, headers=headers, timeout_s=args.timeout,
+        server_pid=args.server_pid, metrics_url=None if args.server_pid is not None else f"{base_url}/metrics",
+        on_row=on_row))
+    metrics = compute_metrics(results, wall, percentiles=args.percentiles, goodput=goodput)
+    print(format_report(metrics, percentiles=args.percentiles, metrics=args.percentile_metrics,
+                        max_concurrency=args.max_concurrency))
+    verdict = rss_flatness(rows)
+    worker = rss_flatness(rows, key="worker_rss_bytes")
+    print(format_rss_summary(verdict, "server RSS (process tree)" if args.server_pid is not None else "server RSS"))
+    if worker["intervals"]:
+        print(format_rss_summary(worker, "worker RSS (largest child)"))
+    if args.json:
+        row = {"kind": "soak", "date": datetime.now().strftime("%Y%m%d-%H%M%S"), **common, "tokenizer_id": tok_dir,
+               "dataset": args.dataset, "num_prompts": len(results), "random_range_ratio": args.random_range_ratio,
+               "request_rate": "inf" if math.isinf(args.request_rate) else args.request_rate,
+               "burstiness": args.burstiness, "goodput": goodput, **metrics, "intervals": len(rows),
+               "rss_verdict": verdict, "worker_rss_verdict": worker}
         with open(args.json, "a") as f:
             f.write(json.dumps(row) + "\n")
     return 0 if metrics["completed"] else 1

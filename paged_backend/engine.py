@@ -151,6 +151,8 @@ class LLMEngine:
         self.max_num_seqs = limits.max_num_seqs
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.eos_token_ids = tuple(self.info.eos_token_ids)
+        # a text longer than this (UTF-8 bytes) has more than max_model_len tokens: refused untokenized
+        self.max_prompt_bytes = self.max_model_len * max_token_bytes(self.tokenizer) if self.tokenizer else 0
 
         self.runner = create_model_runner(config, model_dir, self.info, self.device, self.dtype)
         num_blocks = self.runner.determine_num_blocks()
@@ -208,6 +210,7 @@ class LLMEngine:
                 raise InvalidRequestError("This model has no tokenizer: send token ids.", param="prompt")
             if not prompt:
                 raise InvalidRequestError("The prompt must not be empty.", param="prompt")
+            self.check_text_size(len(prompt.encode("utf-8", "surrogatepass")), "prompt")
             text: str | None = prompt
             ids = self.tokenizer.encode(prompt, add_special_tokens=True)
         elif prompt is None:
@@ -250,10 +253,18 @@ class LLMEngine:
             raise InvalidRequestError(
                 f"The request needs {n_prompt + max_tokens} tokens of KV cache but the whole cache holds "
                 f"{self.kv_capacity_tokens}; it could never run.", param="max_tokens")
-        if request_id in self.groups:
-            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+        self._check_id_free(request_id, params.n)
         return PreparedRequest(request_id, text, ids, params, max_tokens,
                                time.monotonic() if arrival_time is None else arrival_time, cache_salt)
+
+    def check_text_size(self, num_bytes: int, param: str = "prompt") -> None:
+        """Refuse, before tokenizing, a text whose size alone proves it exceeds the context."""
+        if self.max_prompt_bytes and num_bytes > self.max_prompt_bytes:
+            raise InvalidRequestError(
+                f"This model's maximum context length is {self.max_model_len} tokens. However, your prompt "
+                f"is {num_bytes} bytes long, more than {self.max_model_len} tokens of this tokenizer can hold "
+                f"({self.max_prompt_bytes} bytes). Please reduce the length of the prompt.", param=param,
+                code="context_length_exceeded")
 
     def add_request(
         self,
@@ -264,9 +275,20 @@ class LLMEngine:
     ) -> None:
         self.add_prepared(self.process_input(request_id, prompt, params, **kwargs))
 
+    @staticmethod
+    def sample_id(request_id: str, n: int, index: int) -> str:
+        """The scheduler's id of sample ``index`` of a request of ``n`` samples."""
+        return request_id if n == 1 else f"{request_id}#{index}"
+
+    def _check_id_free(self, request_id: str, n: int) -> None:
+        """Neither the request id nor any of its samples' ids may be taken, by a request or by a
+        sample of another one (``a#0`` alone and ``a`` with n = 2 would share a scheduler id)."""
+        ids = {request_id} | {self.sample_id(request_id, n, i) for i in range(n)}
+        if any(i in self.groups or i in self.samples for i in ids):
+            raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+
     def add_prepared(self, prep: PreparedRequest) -> None:
-        if prep.request_id in self.groups:
-            raise InvalidRequestError(f"Request id {prep.request_id!r} is already in use.", param="request_id")
+        self._check_id_free(prep.request_id, prep.params.n)
         samples = [self._new_sample(prep, i) for i in range(prep.params.n)]
         group = _Group(prep, samples, pending_forks=samples[1:], kind=prep.params.output_kind)
         if prep.params.prompt_logprobs is not None:
@@ -281,7 +303,7 @@ class LLMEngine:
 
     def _new_sample(self, prep: PreparedRequest, index: int) -> _Sample:
         params = prep.params
-        rid = prep.request_id if params.n == 1 else f"{prep.request_id}#{index}"
+        rid = self.sample_id(prep.request_id, params.n, index)
         req = Request(rid, prep.prompt_token_ids, params, max_tokens=prep.max_tokens,
                       arrival_time=prep.arrival_time, cache_salt=prep.cache_salt,
                       eos_token_ids=self.eos_token_ids)
@@ -627,6 +649,20 @@ def _resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise ValueError("device='cuda' was asked for but no CUDA device is available")
     return torch.device(name)
+
+
+def max_token_bytes(tokenizer) -> int:
+    """An upper bound on the UTF-8 bytes of text one token stands for.
+
+    A vocabulary entry's own UTF-8 spelling is never shorter than the text it decodes to
+    (byte-level BPE spells each byte with one character of 1-2 bytes; SentencePiece spells
+    a space with the 3-byte ``\u2581``; byte-fallback tokens spell one byte as ``<0xNN>``),
+    so a text of more than ``max_model_len`` times this many bytes needs more tokens than
+    the context holds.
+    """
+    vocab = tokenizer.get_vocab()
+    longest = max((len(t.encode("utf-8", "surrogatepass")) for t in vocab), default=1)
+    return max(longest, 4)
 
 
 def _load_tokenizer(path, required: bool):

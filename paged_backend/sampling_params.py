@@ -11,6 +11,9 @@ import enum
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 MAX_LOGPROBS = 20
+MAX_STOP_STRINGS = 64  # a stop string is searched for in every new piece of text: both are capped
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -70,6 +73,11 @@ class SamplingParams(BaseModel):
     def _stop_nonempty(cls, v: list[str]) -> list[str]:
         if any(s == "" for s in v):
             raise ValueError("stop strings must not be empty")
+        if len(v) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed (got {len(v)})")
+        longest = max(map(len, v), default=0)
+        if longest > MAX_STOP_STRING_CHARS:
+            raise ValueError(f"a stop string may have at most {MAX_STOP_STRING_CHARS} characters (got {longest})")
         return v
 
     @field_validator("stop_token_ids")
@@ -77,6 +85,8 @@ class SamplingParams(BaseModel):
     def _stop_ids_nonneg(cls, v: list[int]) -> list[int]:
         if any(t < 0 for t in v):
             raise ValueError("stop_token_ids must be non-negative token ids")
+        if len(v) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed (got {len(v)})")
         return v
 
     @model_validator(mode="after")

@@ -16,12 +16,21 @@ import numpy as np
 import pytest
 
 from paged_backend.bench_serve import (
+    PromptStream,
     RequestResult,
+    SampleRequest,
     StreamTracker,
+    aggregate_interval,
     arrival_times,
     compute_metrics,
+    format_interval_row,
+    format_rss_summary,
+    metrics_rss,
     parse_goodput,
     peak_concurrency,
+    process_tree_rss,
+    rss_flatness,
+    run_soak,
     sample_random_requests,
     send_request,
     sse_lines,
@@ -359,3 +368,163 @@ def test_connection_lost_before_a_response_is_retried_once(resets, after_headers
     else:
         assert r.error and "cannot reach" in r.error
 
+
+# -- soak (--duration) -------------------------------------------------------------------
+
+MIB = 1024 * 1024
+
+
+def test_interval_row_aggregates_the_completed_requests():
+    done = [
+        _result(0.2, 1.2, 11, [0.1] * 10),  # tpot 100 ms
+        _result(0.4, 2.4, 5, [0.5] * 4),  # tpot 500 ms
+        _result(0.6, 0.6, 1, []),  # one token: a TTFT, no TPOT
+        RequestResult(error="HTTP 500 from x: boom"),
+    ]
+    row = aggregate_interval(3, elapsed=180.5, seconds=60.5, results=done, rss=700 * MIB, worker_rss=600 * MIB)
+    assert row["interval"] == 3 and row["elapsed_s"] == 180.5 and row["seconds"] == 60.5
+    assert row["completed"] == 3 and row["errors"] == 1 and row["first_error"] == "HTTP 500 from x: boom"
+    assert row["output_tokens"] == 17 and row["output_throughput"] == pytest.approx(17 / 60.5)
+    assert row["p50_tpot_ms"] == pytest.approx(300.0) and row["p99_tpot_ms"] == pytest.approx(100 + 400 * 0.99)
+    assert row["p50_ttft_ms"] == pytest.approx(400.0)
+    assert row["rss_bytes"] == 700 * MIB and row["worker_rss_bytes"] == 600 * MIB
+    line = format_interval_row(row)
+    assert line.split() == ["3", "180.5", "3", "1", "0.3", "300.00", "496.00", "400.0", "700.0", "600.0"]
+
+
+def test_empty_interval_row_has_no_latencies_and_no_rss():
+    row = aggregate_interval(1, elapsed=60.0, seconds=60.0, results=[RequestResult(error="x")] * 2)
+    assert row["completed"] == 0 and row["errors"] == 2 and row["output_throughput"] == 0
+    assert row["p50_tpot_ms"] is None and row["p99_tpot_ms"] is None and row["p50_ttft_ms"] is None
+    assert format_interval_row(row).split() == ["1", "60.0", "0", "2", "0.0", "-", "-", "-", "-", "-"]
+    assert aggregate_interval(1, 0.0, 0.0, [])["output_throughput"] == 0  # no division by a zero length
+
+
+def _rows(rss_mib: list[float | None], interval: float = 60.0) -> list[dict]:
+    return [{"elapsed_s": (i + 1) * interval, "rss_bytes": None if v is None else int(v * MIB)}
+            for i, v in enumerate(rss_mib)]
+
+
+def test_rss_verdict_uses_the_last_20_minutes():
+    # 30 rows of 60 s: the window is 1,200 s, the samples at 600 ... 1,800 s (21 rows); the
+    # warm-up growth of the first ten minutes does not count
+    rss = [500 + 30 * i for i in range(9)] + [800.0] * 10 + [810, 820, 830, 820, 810, 805, 800, 812, 815, 820, 825]
+    v = rss_flatness(_rows(rss))
+    assert v["window_s"] == 1200 and v["intervals"] == 21
+    assert v["first"] == 800 * MIB and v["last"] == 825 * MIB and v["min"] == 800 * MIB and v["max"] == 830 * MIB
+    assert v["growth"] == pytest.approx(830 / 800 - 1) and v["flat"] is True
+    assert "max/min - 1 = 3.75%: flat" in format_rss_summary(v)
+
+    leak = rss_flatness(_rows([800 + 3 * i for i in range(30)]))  # 3 MiB a minute
+    assert leak["intervals"] == 21 and leak["growth"] == pytest.approx(887 / 827 - 1) and leak["flat"] is False
+    assert "NOT flat" in format_rss_summary(leak) and "within 5%: no" in format_rss_summary(leak)
+
+
+def test_rss_verdict_of_a_short_run_takes_its_last_two_thirds():
+    v = rss_flatness(_rows([100, 200, 300, 104, 100, 103], interval=10.0))  # 60 s: samples at 20 ... 60 s
+    assert v["window_s"] == pytest.approx(40.0) and v["intervals"] == 5
+    assert v["max"] == 300 * MIB and v["flat"] is False
+    assert rss_flatness(_rows([100, 200, 300, 104, 100, 103], interval=10.0), tolerance=2.0)["flat"] is True
+    # a longer last row (the requests in flight at the end finish in it) ends the window
+    rows = _rows([100] * 20 + [104]) + [{"elapsed_s": 1265.0, "rss_bytes": 103 * MIB}]
+    assert rss_flatness(rows)["window_s"] == pytest.approx(1265 * 2 / 3)
+
+
+def test_rss_verdict_without_enough_samples():
+    assert rss_flatness([])["flat"] is None and rss_flatness([])["intervals"] == 0
+    none = rss_flatness(_rows([None] * 5))
+    assert none["intervals"] == 0 and none["flat"] is None and "not measured" in format_rss_summary(none)
+    one = rss_flatness(_rows([None, None, None, 100.0]))
+    assert one["intervals"] == 1 and one["flat"] is None and "too few samples" in format_rss_summary(one)
+    gaps = rss_flatness(_rows([100, None, 102, None, 101, None]))  # rows without a sample are skipped
+    assert gaps["intervals"] == 2 and gaps["min"] == 101 * MIB and gaps["flat"] is True
+    worker = rss_flatness([{"elapsed_s": 1.0, "rss_bytes": 9, "worker_rss_bytes": 100},
+                           {"elapsed_s": 2.0, "rss_bytes": 1, "worker_rss_bytes": 104}], key="worker_rss_bytes")
+    assert worker["intervals"] == 2 and worker["growth"] == pytest.approx(0.04) and worker["flat"] is True
+
+
+def test_metrics_rss_reads_the_prometheus_gauge():
+    page = ("# HELP process_resident_memory_bytes Resident memory size in bytes.\n"
+            "# TYPE process_resident_memory_bytes gauge\n"
+            "process_resident_memory_bytes 1.2345678e+08\n"
+            "process_virtual_memory_bytes 9e9\n")
+    assert metrics_rss(page) == 123456780
+    assert metrics_rss('process_resident_memory_bytes{pid="1"} 100\nprocess_resident_memory_bytes{pid="2"} 50\n') == 150
+    assert metrics_rss("vllm:num_requests_running 3\n") is None
+    assert metrics_rss("") is None
+
+
+def test_process_tree_rss_sums_the_children():
+    import os
+    import subprocess
+    import sys
+
+    alone, _ = process_tree_rss(os.getpid())
+    child = subprocess.Popen([sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
+    try:
+        total, largest = process_tree_rss(os.getpid())
+        assert largest is not None and largest > 0 and total is not None and total >= largest
+        assert total > largest  # this process counts too
+        own, kid = process_tree_rss(child.pid)
+        assert own is not None and own > 0 and kid is None
+    finally:
+        child.communicate(b"")
+    assert alone is not None and alone > 0
+    assert process_tree_rss(child.pid) == (None, None)  # gone
+
+
+def test_prompt_stream_draws_fresh_batches():
+    import asyncio
+
+    seeds = []
+
+    def make(seed: int) -> list[SampleRequest]:
+        seeds.append(seed)
+        return [SampleRequest(prompt=f"{seed}-{i}", prompt_len=1, output_len=1) for i in range(4)]
+
+    async def draw(n: int) -> list[str]:
+        stream = PromptStream(make, seed=7)
+        return [(await stream.next()).prompt for _ in range(n)]
+
+    got = asyncio.run(draw(10))
+    assert got == ["7-0", "7-1", "7-2", "7-3", "8-0", "8-1", "8-2", "8-3", "9-0", "9-1"]
+    assert seeds == [7, 8, 9]  # the next batch is made once the current one is half used
+
+
+def test_soak_rows_account_for_every_request():
+    """A short soak against a fake streaming server: every request is in exactly one row, the
+    last row waits for the requests in flight; no assertion depends on the timing."""
+    import asyncio
+
+    async def run():
+        server, seen = await _reset_then_answer(0)
+        url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}/v1/completions"
+        stream = PromptStream(lambda seed: [SampleRequest(prompt="x", prompt_len=3, output_len=2)] * 8, seed=0)
+        got_rows = []
+        async with server:
+            results, wall, rows = await run_soak(
+                stream, api_url=url, make_payload=lambda r: {"prompt": r.prompt, "stream": True}, chat=False,
+                duration_s=0.6, interval_s=0.25, max_concurrency=3, server_pid=None, metrics_url=None,
+                on_row=got_rows.append)
+        return results, wall, rows, got_rows, seen[0]
+
+    results, wall, rows, got_rows, connections = asyncio.run(run())
+    assert got_rows == rows and [r["interval"] for r in rows] == [1, 2, 3]  # ticks at 0.25, 0.5, then the end
+    assert len(results) == connections > 0 and all(r.success for r in results)
+    assert sum(r["completed"] for r in rows) == len(results) and sum(r["errors"] for r in rows) == 0
+    assert sum(r["output_tokens"] for r in rows) == 2 * len(results)  # two text chunks, no usage chunk
+    assert rows[-1]["elapsed_s"] >= 0.6 and wall >= rows[-1]["elapsed_s"]
+    assert [r["elapsed_s"] for r in rows] == sorted(r["elapsed_s"] for r in rows)
+    assert sum(r["seconds"] for r in rows) == pytest.approx(rows[-1]["elapsed_s"])
+    assert all(r["rss_bytes"] is None and r["worker_rss_bytes"] is None for r in rows)
+    assert peak_concurrency(results) <= 3
+
+
+def test_soak_flags_are_checked(capsys):
+    assert main(["bench", "serve", "--duration", "10", "--model", "m"]) == 2
+    assert "--duration needs --max-concurrency" in capsys.readouterr().err
+    assert main(["bench", "serve", "--server-pid", "1", "--model", "m"]) == 2
+    assert "--server-pid is only used with --duration" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as ei:
+        main(["bench", "serve", "--duration", "10", "--interval", "0", "--model", "m"])
+    assert ei.value.code == 2

@@ -8,76 +8,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import shutil
-import signal
-import socket
 import subprocess
-import sys
 import time
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
+from bento_server import BENTO_DIR, MODEL, Server, bentoml_env, bentoml_exe, start, stop, wait_ready
 
 pytestmark = pytest.mark.slow
 
-BENTO_DIR = Path(__file__).resolve().parents[1] / "bentos" / "smollm2"
-MODEL = "SmolLM2-135M-Instruct"
 ENGINE_ARGS = {"max_model_len": 1024, "num_gpu_blocks_override": 384}
 CHAT = [{"role": "user", "content": "What is the capital of France?"}]
 PROMPT = "The three primary colors are"
 
 
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log: Path
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def log_tail(self) -> str:
-        return self.log.read_text(errors="replace")[-5000:]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _bentoml_env(tmp: Path) -> dict[str, str]:
-    return dict(os.environ, BENTOML_DO_NOT_TRACK="true", BENTOML_HOME=str(tmp / "bentoml-home"))
-
-
-def _bentoml() -> str:
-    exe = Path(sys.executable).with_name("bentoml")
-    return str(exe) if exe.exists() else shutil.which("bentoml") or "bentoml"
-
-
 @pytest.fixture(scope="module")
 def server_process(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("bentoml")
-    port = _free_port()
-    log = tmp / "serve.log"
-    args = [a for k, v in ENGINE_ARGS.items() for a in ("--arg", f"{k}={v}")]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([_bentoml(), "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-                                cwd=BENTO_DIR, env=_bentoml_env(tmp), stdout=out, stderr=subprocess.STDOUT,
-                                start_new_session=True)
-    srv = Server(proc, port, log)
+    srv = start(tmp_path_factory.mktemp("bentoml"), ENGINE_ARGS)
     yield srv
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+    if not stop(srv):
         pytest.fail("bentoml serve did not stop on SIGTERM within 60s")
 
 
@@ -91,22 +42,7 @@ def offline():
 
 @pytest.fixture(scope="module")
 def server(server_process, offline):
-    deadline = time.monotonic() + 600
-    codes = []
-    while time.monotonic() < deadline:
-        if server_process.proc.poll() is not None:
-            pytest.fail(f"bentoml serve exited early:\n{server_process.log_tail()}")
-        try:
-            code = httpx.get(f"{server_process.url}/readyz", timeout=5).status_code
-            codes.append(code)
-            if code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        pytest.fail(f"server not ready in time:\n{server_process.log_tail()}")
-    return server_process
+    return wait_ready(server_process)
 
 
 @pytest.fixture(scope="module")
@@ -337,12 +273,12 @@ def test_metrics_have_vllm_names(server, client):
 
 def test_bento_builds_offline(server_process, tmp_path):
     """``bentoml build`` with no network (a fresh network namespace where unshare works)."""
-    cmd = [_bentoml(), "build", "--output", "tag"]
+    cmd = [bentoml_exe(), "build", "--output", "tag"]
     if shutil.which("unshare") and subprocess.run(["unshare", "-n", "true"]).returncode == 0:
         cmd = ["unshare", "-n", *cmd]
-    out = subprocess.run(cmd, cwd=BENTO_DIR, env=_bentoml_env(tmp_path), capture_output=True, text=True,
+    out = subprocess.run(cmd, cwd=BENTO_DIR, env=bentoml_env(tmp_path), capture_output=True, text=True,
                          timeout=600)
     assert out.returncode == 0, out.stdout + out.stderr
-    listed = subprocess.run([_bentoml(), "list", "-o", "json"], env=_bentoml_env(tmp_path), capture_output=True,
+    listed = subprocess.run([bentoml_exe(), "list", "-o", "json"], env=bentoml_env(tmp_path), capture_output=True,
                             text=True, timeout=120)
     assert any(b["tag"].startswith("paged-backend-smollm2:") for b in json.loads(listed.stdout))

@@ -14,10 +14,12 @@ from typing import Any
 import bentoml
 from paged_backend.adapters.api import EngineAdapter
 from paged_backend.adapters.bentoml_service import ServeArgs, merge_metrics, native_generate, service_config
+from paged_backend.adapters.http_guard import ServingGuard
+from paged_backend.adapters.lifecycle import drain_on_sigterm, exit_with_parent, stop_parent_on_load_error
 from paged_backend.adapters.openai_server import attach_adapter, create_openai_app
 
 args = bentoml.use_arguments(ServeArgs)
-openai_app = create_openai_app()
+openai_app = create_openai_app(options=args.serving_options())
 image = (
     bentoml.images.Image(python_version="3.11", lock_python_packages=False)
     .requirements_file("requirements.txt")  # relative to the bento directory
@@ -33,13 +35,16 @@ class PagedLLM:
     def __init__(self) -> None:
         self.adapter = EngineAdapter(args.engine_config())
         attach_adapter(openai_app, self.adapter)
+        drain_on_sigterm(self.adapter, args.drain_timeout)  # SIGTERM: 503s at once, bounded drain, then exit
+        exit_with_parent(lambda: self.adapter.shutdown())  # never outlive `bentoml serve`
         self.adapter.start(background=True)
+        stop_parent_on_load_error(self.adapter)  # e.g. a KV cache smaller than max_model_len: refuse to start
 
     def __is_ready__(self) -> bool:
         return self.adapter.is_ready
 
     def __is_alive__(self) -> bool:
-        return self.adapter.load_error is None
+        return self.adapter.is_alive  # false after a failed load or a dead engine loop: replace the process
 
     def __metrics__(self, content: str) -> str:
         return merge_metrics(content, self.adapter.metrics_text())
@@ -61,9 +66,13 @@ class PagedLLM:
     @bentoml.api
     def stats(self) -> dict[str, Any]:
         """Engine counters: running / waiting requests, KV-cache blocks, token totals."""
-        return {**self.adapter.stats(), **{"model": self.adapter.model_info()}}
+        return {**self.adapter.stats(), **{"model": self.adapter.model_info(with_path=args.expose_model_path)}}
 
     @bentoml.on_shutdown
     async def shutdown(self) -> None:
         """Finish in-flight requests (up to drain_timeout), then stop the engine loop."""
         await asyncio.to_thread(self.adapter.shutdown, args.drain_timeout)
+
+
+# API keys, body size and read time on /v1, /generate and /stats (health and /metrics stay open)
+PagedLLM.add_asgi_middleware(ServingGuard, options=args.serving_options())
