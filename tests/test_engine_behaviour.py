@@ -193,6 +193,48 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(llm):
     assert_no_leak(eng)
 
 
+@pytest.mark.parametrize("n2_first", [False, True])
+def test_a_request_id_never_takes_another_requests_sample_id(llm, n2_first):
+    """``k#0`` alone and ``k`` with n = 2 would share the scheduler id ``k#0``: the later one is refused."""
+    eng = llm.engine
+    one = ("k#0", list(range(100, 140)), SamplingParams(max_tokens=3, temperature=0))
+    two = ("k", list(range(200, 240)), SamplingParams(max_tokens=3, temperature=0, n=2))
+    first, second = (two, one) if n2_first else (one, two)
+    eng.add_request(*first)
+    with pytest.raises(InvalidRequestError, match="already in use"):
+        eng.add_request(*second)
+    _run(eng, [first[0]])
+    eng.add_request(*second)  # free again once the first finished
+    _run(eng, [second[0]])
+    assert_no_leak(eng)
+
+
+def test_a_text_too_long_for_the_context_is_refused_before_tokenizing(llm, monkeypatch):
+    eng = llm.engine
+    assert eng.max_prompt_bytes >= eng.max_model_len * 4
+    calls = []
+    monkeypatch.setattr(eng.tokenizer, "encode", lambda *a, **k: calls.append(a) or [1])
+    with pytest.raises(InvalidRequestError, match="maximum context length") as ei:
+        eng.process_input("long", "a" * (eng.max_prompt_bytes + 1), SamplingParams())
+    assert ei.value.code == "context_length_exceeded" and not calls
+
+
+def test_max_token_bytes_bounds_every_tokens_text(llm):
+    from paged_backend.engine import max_token_bytes
+
+    tok = llm.engine.tokenizer
+    bound = max_token_bytes(tok)
+    texts = [tok.decode([i]) for i in range(0, tok.vocab_size, 7)]
+    assert max(len(t.encode("utf-8", "surrogatepass")) for t in texts) <= bound
+
+
+def test_stop_strings_are_capped():
+    with pytest.raises(ValidationError, match="at most 1024 characters"):
+        SamplingParams(stop=["x" * 2000])
+    with pytest.raises(ValidationError, match="at most 64 stop strings"):
+        SamplingParams(stop=[f"s{i}" for i in range(65)])
+
+
 def test_request_that_can_never_fit_the_cache_is_refused():
     llm = make_llm(num_gpu_blocks_override=5)  # 4 usable blocks = 64 tokens
     with pytest.raises(InvalidRequestError, match="could never run"):

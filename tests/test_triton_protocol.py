@@ -43,6 +43,21 @@ def test_sampling_parameters_json_like_vllm_backend():
         assert ei.value.param == param and ei.value.status == 400
 
 
+def test_cache_salt_and_bad_bytes_in_the_inputs():
+    inputs = GenerateInputs.from_values(b"hi", sampling_parameters=b'{"max_tokens": 2, "cache_salt": "t1"}')
+    assert inputs.cache_salt == "t1" and inputs.params.max_tokens == 2
+    assert GenerateInputs.from_values(b"hi").cache_salt is None
+    for kwargs, param in [({"sampling_parameters": b'{"cache_salt": 3}'}, "cache_salt"),
+                          ({"sampling_parameters": b'{"cache_salt": ""}'}, "cache_salt"),
+                          ({"sampling_parameters": b"\xff{}"}, "sampling_parameters")]:
+        with pytest.raises(AdapterError) as ei:
+            GenerateInputs.from_values(b"hi", **kwargs)
+        assert ei.value.param == param and ei.value.status == 400
+    with pytest.raises(AdapterError) as ei:
+        GenerateInputs.from_values(b"a\xed\xa0\x80b")  # a UTF-8-encoded lone surrogate
+    assert ei.value.param == "text_input"
+
+
 def test_model_json_uses_vllm_names_and_ignores_vllm_only_flags():
     cfg, ignored = engine_config_from_model_json({"model": "SmolLM2-135M-Instruct", "max_model_len": 512,
                                                   "kv_cache_dtype": "fp8", "enforce_eager": True,

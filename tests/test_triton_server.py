@@ -284,3 +284,26 @@ def test_custom_metrics_use_vllm_names(server):
     assert _metric(server, "vllm:prompt_tokens_total") > 0
     # the second long prompt reused the first one's full blocks
     assert _wait_metric(server, "vllm:prefix_cache_hits_total", "", lambda v: v >= 32) >= 32
+
+
+def test_cache_salt_in_sampling_parameters_keeps_tenants_apart(server, offline):
+    prompt = "Tenants share one server but never one cache entry. Each block is salted by its tenant. " * 3
+
+    def send(salt: str) -> float:
+        hits = _metric(server, "vllm:prefix_cache_hits_total")
+        params = json.dumps({"max_tokens": 2, "temperature": 0, "cache_salt": salt})
+        resp = httpx.post(f"http://{server.http_url}/v2/models/{MODEL}/generate",
+                          json={"text_input": prompt, "exclude_input_in_output": True, "sampling_parameters": params},
+                          timeout=120)
+        assert resp.status_code == 200, resp.text
+        assert resp.json()["text_output"] == _greedy(offline, prompt, 2).text
+        _wait_metric(server, "vllm:num_requests_running", "", lambda v: v == 0)
+        time.sleep(1.5)  # two metric polls
+        return _metric(server, "vllm:prefix_cache_hits_total") - hits
+
+    assert send("tenant-a") == 0
+    assert send("tenant-a") >= 32  # the same tenant reuses its own full blocks
+    assert send("tenant-b") == 0  # another tenant's salt finds nothing
+    bad = httpx.post(f"http://{server.http_url}/v2/models/{MODEL}/generate",
+                     json={"text_input": prompt, "sampling_parameters": json.dumps({"cache_salt": 7})}, timeout=60)
+    assert bad.status_code == 400 and "cache_salt" in bad.text
