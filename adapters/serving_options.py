@@ -28,7 +28,8 @@ class ServingOptions(BaseModel):
     max_request_bytes: int = Field(DEFAULT_MAX_REQUEST_BYTES, ge=1024,
                                    description="largest request body; larger ones get a 413")
     max_batch_prompts: int = Field(256, ge=1, description="most prompts x n in one /v1/completions request")
-    request_read_timeout: float = Field(30.0, gt=0.0, description="seconds to receive a request body")
+    request_read_timeout: float = Field(30.0, gt=0.0, description="seconds to receive a request's headers, and "
+                                        "again its body (408 after)")
     trust_request_chat_template: bool = Field(
         False, description="let requests bring their own Jinja chat template (chat_template, "
         "chat_template_kwargs.chat_template); off: such requests get a 400")

@@ -180,6 +180,36 @@ def test_a_slow_body_times_out(server, http):
     _still_serving(http)
 
 
+def test_slow_or_absent_headers_time_out(server, http):
+    for opening in (b"", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n"):  # nothing, or headers never ended
+        with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+            sock.sendall(opening)
+            started = time.monotonic()
+            data = sock.recv(65536)
+            assert data.startswith(b"HTTP/1.1 408 "), data[:200]
+            assert sock.recv(65536) == b""  # and the connection is closed
+            assert time.monotonic() - started < 20
+    _still_serving(http)
+
+
+def test_a_half_closed_client_gets_its_answer(server, http):
+    payload = json.dumps({"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3,
+                          "temperature": 0}).encode()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + KEYS[0].encode() + b"\r\nContent-Length: "
+                     + str(len(payload)).encode() + b"\r\n\r\n" + payload)
+        sock.shutdown(socket.SHUT_WR)  # nothing more to send: waits for the answer
+        data = b""
+        while chunk := sock.recv(65536):
+            data += chunk
+    data = data.removeprefix(b"HTTP/1.1 100 Continue\r\n\r\n")  # the interim answer to the half-close
+    head, _, body = data.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200 "), data[:300]
+    assert b'"finish_reason":"length"' in body
+    _wait_idle(http)
+
+
 def test_batched_prompts_are_capped(server, http):
     err = _openai_error(http.post("/v1/completions", json={"model": MODEL, "prompt": ["a"] * 5, "n": 2,
                                                              "max_tokens": 2}), 400)

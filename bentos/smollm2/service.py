@@ -17,8 +17,10 @@ from paged_backend.adapters.bentoml_service import ServeArgs, merge_metrics, nat
 from paged_backend.adapters.http_guard import ServingGuard
 from paged_backend.adapters.lifecycle import drain_on_sigterm, exit_with_parent, stop_parent_on_load_error
 from paged_backend.adapters.openai_server import attach_adapter, create_openai_app
+from paged_backend.adapters.uvicorn_guard import install as install_uvicorn_guard
 
 args = bentoml.use_arguments(ServeArgs)
+install_uvicorn_guard(header_timeout=args.request_read_timeout)  # slow headers: 408; half-closed clients answered
 openai_app = create_openai_app(options=args.serving_options())
 image = (
     bentoml.images.Image(python_version="3.11", lock_python_packages=False)
