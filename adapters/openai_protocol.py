@@ -15,6 +15,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 from pydantic_core import PydanticCustomError
 
+from paged_backend.sampling_params import MAX_LOGPROBS
+
+from .serving_options import MAX_CACHE_SALT_CHARS
+
 MAX_REQUEST_ID_CHARS = 256
 
 
@@ -45,9 +49,18 @@ def _find_surrogate(value: Any, path: str) -> str | None:
 
 
 class OpenAIRequest(OpenAIModel):
-    """A request body: strict types, valid Unicode."""
+    """A request body or a part of one: strict types."""
 
     model_config = ConfigDict(extra="ignore", protected_namespaces=(), strict=True)
+
+
+class StreamOptions(OpenAIRequest):
+    include_usage: bool = False
+
+
+class _SamplingFields(OpenAIRequest):
+    """Fields shared by chat and completions (OpenAI's, then vLLM's extras); the whole body's
+    text is checked for valid Unicode once, here."""
 
     @model_validator(mode="before")
     @classmethod
@@ -57,14 +70,6 @@ class OpenAIRequest(OpenAIModel):
             raise PydanticCustomError("invalid_unicode", "'{path}' is not valid Unicode text (it holds a lone "
                                       "surrogate, which cannot be encoded as UTF-8)", {"path": path})
         return data
-
-
-class StreamOptions(OpenAIRequest):
-    include_usage: bool = False
-
-
-class _SamplingFields(OpenAIRequest):
-    """Fields shared by chat and completions (OpenAI's, then vLLM's extras)."""
 
     model: str | None = None
     n: int = 1
@@ -87,7 +92,7 @@ class _SamplingFields(OpenAIRequest):
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
-    cache_salt: str | None = Field(None, min_length=1, max_length=1024,
+    cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
                                    description="prefix-cache blocks are shared only among requests of equal salt")
 
 
@@ -107,7 +112,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=20)
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
@@ -116,7 +121,7 @@ class ChatCompletionRequest(_SamplingFields):
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
-    logprobs: int | None = Field(None, ge=0, le=20)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
 

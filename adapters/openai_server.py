@@ -237,9 +237,10 @@ class InflightRequestIds:
         engine_ids, since = entry
         return now - since < self.stale_after_s or adapter.has_requests(engine_ids)
 
-    def claim(self, user_id: str | None, engine_ids: list[str], adapter: EngineAdapter) -> None:
+    def claim(self, user_id: str | None, engine_ids: list[str], adapter: EngineAdapter) -> Callable[[], None]:
+        """Take ``user_id`` for these engine requests; returns its release (idempotent)."""
         if user_id is None:
-            return
+            return _nothing
         now = time.monotonic()
         held = self.ids.get(user_id)
         if held is not None and self._taken(held, adapter, now):
@@ -247,12 +248,17 @@ class InflightRequestIds:
                                param="request_id", code="duplicate_request_id")
         if len(self.ids) > 4096:
             self.ids = {k: v for k, v in self.ids.items() if self._taken(v, adapter, now)}
-        self.ids[user_id] = (engine_ids, now)
+        entry = self.ids[user_id] = (engine_ids, now)
 
-    def release(self, user_id: str | None, engine_ids: list[str]) -> None:
-        held = self.ids.get(user_id) if user_id is not None else None
-        if held is not None and held[0] is engine_ids:
-            del self.ids[user_id]
+        def release() -> None:
+            if self.ids.get(user_id) is entry:
+                del self.ids[user_id]
+
+        return release
+
+
+def _nothing() -> None:
+    pass
 
 
 def _request_ids(request: Request) -> InflightRequestIds:
@@ -466,9 +472,8 @@ class _TextEvent:
 
 
 def _sse_error(err: AdapterError) -> str:
-    body = ErrorResponse(error=ErrorInfo(message=err.message, type=_ERROR_TYPES.get(err.status, "error"),
-                                         param=err.param, code=err.code))
-    return f"data: {body.model_dump_json()}\n\n"
+    body = error_body(err.message, err.status, param=err.param, code=err.code)
+    return f"data: {pydantic_core.to_json(body).decode()}\n\n"
 
 
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -536,8 +541,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     salt = effective_cache_salt(body.cache_salt, body.user, from_user=options.cache_salt_from_user)
     rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: made here, never from user input
     response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else rid
-    engine_ids, inflight = [rid], _request_ids(request)
-    inflight.claim(body.request_id, engine_ids, adapter)
+    release = _request_ids(request).claim(body.request_id, [rid], adapter)
     handed_off = False
     try:
         async def start() -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
@@ -559,13 +563,13 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             gen = _chat_stream(response_id, model, params.n, first, stream, text, k, include_usage, details,
-                               on_close=lambda: inflight.release(body.request_id, engine_ids))
+                               on_close=release)
             handed_off = True
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
         final = await _until_disconnect(request, _collect(stream, first))
     finally:
         if not handed_off:
-            inflight.release(body.request_id, engine_ids)
+            release()
     choices = []
     for c in final.outputs if final is not None else []:
         lp = _chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None else None
@@ -698,20 +702,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
     rid = f"cmpl-{uuid.uuid4().hex}"  # the engine's ids: made here, never from user input
     engine_ids = [rid] if len(prompts) == 1 else [f"{rid}-{i}" for i in range(len(prompts))]
     response_id = f"cmpl-{body.request_id}" if body.request_id is not None else rid
-    inflight = _request_ids(request)
-    inflight.claim(body.request_id, engine_ids, adapter)
+    release = _request_ids(request).claim(body.request_id, engine_ids, adapter)
     handed_off = False
+    # every prompt is submitted at once (one batch in the engine); any refusal or a client
+    # gone before the last token aborts them all
+    streams = [adapter.generate(p, params, request_id=eid, cache_salt=salt, field_names=names)
+               for p, eid in zip(prompts, engine_ids, strict=True)]
     try:
-        # every prompt is submitted at once (one batch in the engine); any refusal or a client
-        # gone before the first tokens aborts them all
-        streams = [adapter.generate(p, params, request_id=eid, cache_salt=salt, field_names=names)
-                   for p, eid in zip(prompts, engine_ids, strict=True)]
-        try:
-            firsts = await _until_disconnect(request, _gather_all([_first_delta(s) for s in streams]))
-        except BaseException:
-            for s in streams:
-                await s.aclose()
-            raise
+        firsts = await _until_disconnect(request, _gather_all([_first_delta(s) for s in streams]))
         tok = adapter.tokenizer
         text = _TokenText(tok)
         echoes = [(p if isinstance(p, str) else tok.decode(p)) if body.echo else "" for p in prompts]
@@ -720,18 +718,16 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             gen = _completion_stream(response_id, model, params.n, firsts, streams, echoes, body, text, include_usage,
-                                     details, on_close=lambda: inflight.release(body.request_id, engine_ids))
+                                     details, on_close=release)
             handed_off = True
             return StreamingResponse(gen, media_type="text/event-stream", headers=_SSE_HEADERS)
-        try:
-            finals = await _until_disconnect(request, _gather_all([_collect(s, f) for f, s in zip(firsts, streams,
-                                                                                                 strict=True)]))
-        finally:
+        finals = await _until_disconnect(request, _gather_all([_collect(s, f) for f, s in zip(firsts, streams,
+                                                                                             strict=True)]))
+    finally:
+        if not handed_off:  # the streaming response owns them otherwise
             for s in streams:
                 await s.aclose()
-    finally:
-        if not handed_off:
-            inflight.release(body.request_id, engine_ids)
+            release()
     choices = []
     for pi, final in enumerate(finals):
         if final is None:

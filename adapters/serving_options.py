@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable, so a vLLM deployment's environment keeps working
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
+MAX_CACHE_SALT_CHARS = 1024
 
 
 class ServingOptions(BaseModel):

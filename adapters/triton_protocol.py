@@ -28,6 +28,7 @@ from paged_backend.outputs import LogprobsDict, RequestOutput
 from paged_backend.sampling_params import SamplingParams
 
 from .api import AdapterError, build_sampling_params, to_adapter_error
+from .serving_options import MAX_CACHE_SALT_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -108,8 +109,9 @@ def parse_request_parameters(text: str | bytes | None) -> tuple[SamplingParams, 
     if "lora_name" in values:
         raise AdapterError("LoRA feature is not enabled.", param="lora_name")
     salt = values.pop("cache_salt", None)
-    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > 1024):
-        raise AdapterError("cache_salt must be a non-empty string of at most 1024 characters.", param="cache_salt")
+    if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
+        raise AdapterError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters.",
+                           param="cache_salt")
     return build_sampling_params(values, coerce_strings=True), salt
 
 

@@ -166,9 +166,8 @@ class AsyncEngine:
             raise EngineDeadError(f"the engine loop died: {self._dead!r}")
         request_id = request_id or uuid.uuid4().hex
         if isinstance(prompt, str):  # tokenizing a long text must not hold up the caller's event loop
-            prep = await asyncio.get_running_loop().run_in_executor(
-                self._input_pool, functools.partial(self.engine.process_input, request_id, prompt, sampling_params,
-                                                    cache_salt=cache_salt))
+            prep = await self.run_blocking(self.engine.process_input, request_id, prompt, sampling_params,
+                                           cache_salt=cache_salt)
         else:
             prep = self.engine.process_input(request_id, prompt, sampling_params, cache_salt=cache_salt)
         stream = _Stream(asyncio.get_running_loop(), prep.params.output_kind is RequestOutputKind.DELTA)

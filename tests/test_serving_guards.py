@@ -125,17 +125,18 @@ class _Engine:
 
 def test_user_request_ids_are_taken_until_released_or_stale():
     ids, engine = InflightRequestIds(stale_after_s=60), _Engine()
-    mine = ["cmpl-1"]
-    ids.claim("r", mine, engine)
+    release_first = ids.claim("r", ["cmpl-1"], engine)
     with pytest.raises(AdapterError) as ei:
         ids.claim("r", ["cmpl-2"], engine)
     assert ei.value.param == "request_id" and ei.value.status == 400
-    ids.release("r", ["cmpl-1"])  # another list: not the holder's release
+    release_first()
+    release_second = ids.claim("r", ["cmpl-3"], engine)
+    release_first()  # a late second call of the first release: not the holder's
     with pytest.raises(AdapterError):
-        ids.claim("r", ["cmpl-2"], engine)
-    ids.release("r", mine)
-    ids.claim("r", ["cmpl-3"], engine)
-    ids.claim(None, ["cmpl-4"], engine)  # no user id: nothing to track
+        ids.claim("r", ["cmpl-4"], engine)
+    release_second()
+    ids.claim("r", ["cmpl-5"], engine)
+    ids.claim(None, ["cmpl-6"], engine)()  # no user id: nothing to track
 
     stale = InflightRequestIds(stale_after_s=0)
     stale.claim("s", ["cmpl-5"], engine)
