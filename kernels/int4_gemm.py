@@ -1070,12 +1070,12 @@ def default_config(m: int, n: int, k: int, group_size: int, act_order: bool = Fa
         return Int4Config("mma", block_m=8, block_n=16, block_k=128, num_warps=warps,
                           split_k=1 if n >= 256 * 16 else None)
     if mma_ok and 8 < m <= 16 and mma_fits(m, k, group_size) and not act_order and max(n, k) >= 8192:
-        # two 16-column tiles per warp, sharing the x loads (tenth session, H200, K x N: 4096 x 14336
-        # 27.1-27.5 -> 20.2-20.6 us, 14336 x 4096 24.5-25.0 -> 23.4-24.0; at 4096 x 4096 the dot path
-        # stays, 10.8-11.0 us against 11.0-11.3)
+        # two 16-column tiles per warp, sharing the x loads (measured on the H200, 2026-11-30, K x N:
+        # 4096 x 14336 27.1-27.5 -> 20.2-20.6 us, 14336 x 4096 24.5-25.0 -> 23.4-24.0; at 4096 x 4096
+        # the dot path stays, 10.8-11.0 us against 11.0-11.3)
         return Int4Config("mma", block_m=16, block_n=64 if n >= 8192 else 32, block_k=128, num_warps=8,
                           mma_cols=32, split_k=1 if n >= 256 * 16 else None)
-    # the H200 sweeps' picks (bench quant --sweep, docs/BENCHMARKS.md, sixth and seventh sessions)
+    # the H200 sweeps' picks (bench quant --sweep, 2026-11-30, docs/BENCHMARKS.md)
     if m == 1:
         # act-order gathers the activations in the kernel: two warps (half the gathers per weight)
         return Int4Config("gemv", block_m=1, block_n=128, block_k=128, num_warps=2 if act_order else 4,

@@ -31,7 +31,7 @@ Variants (``AttentionConfig`` fields, all off in the baseline config; ``pick_con
 on the ones the H200 sweep in ``bench_kernels --variants`` measured faster, per regime:
 decode gets offsets32 + reduce_block + pdl, with an fp8 cache also fp8_pairs + maxnreg 128 +
 programs_per_sm 4; prefill q_fold 2 + offsets32 (and its own tile shapes); lazy_rescale,
-v_early and (since the eighth session) fused_merge are opt-in only)::
+v_early and fused_merge are opt-in only)::
 
     q_fold        0: scores scaled per tile; 1: softmax scale * log2(e) folded into q in the
                   kernel; 2: folded by the launcher (one elementwise op; q then feeds the MMA as
@@ -670,28 +670,28 @@ def pick_config(
 
     - decode, every cache: int32 offsets, and the split merge kernel (where there is one)
       reading more than 8 splits in blocks of ``MERGE_BLOCK`` and launched as a programmatic
-      dependent (eighth session: 1.15x at 1 x 32k and 1.21x at 1 x 4k bf16, 33 / 16 splits;
+      dependent (2026-11-30: 1.15x at 1 x 32k and 1.21x at 1 x 4k bf16, 33 / 16 splits;
       the one-by-one loop paid a memory round trip per split; at 4 splits the blocks cost
       2-3%, hence serial up to 8).
-    - decode, 16-bit cache: the in-kernel merge (``fused_merge``, the second session's pick
+    - decode, 16-bit cache: the in-kernel merge (``fused_merge``, the 2026-11-29 sweep's pick
       from 64 programs) is no longer used: the merge kernel as a programmatic dependent was
-      1.5% faster at 8 x 4k and equal at 8 x 32k (eighth session), and 5-24% faster with few
+      1.5% faster at 8 x 4k and equal at 8 x 32k (2026-11-30), and 5-24% faster with few
       programs.
-    - decode, fp8 cache, 16-bit q: ``fp8_pairs`` (fifth session: 1.17-1.43x the fp8 baseline
+    - decode, fp8 cache, 16-bit q: ``fp8_pairs`` (2026-11-29: 1.17-1.43x the fp8 baseline
       over 11 cells) with a 128-register cap (head_dim 128 takes 154 registers, 3 programs per
       SM; capped, 4) and context splits aimed at 4 programs per SM (``programs_per_sm``): at
       batch 8 the old 2-per-SM splits left half the slots empty (8 x 32k: 1.48x -> 1.82x bf16;
-      8 x 4k: 1.37x -> 1.51x, eighth session).
+      8 x 4k: 1.37x -> 1.51x, 2026-11-30).
     - prefill, every dtype: int32 offsets, the softmax scale folded into q by the launcher
       (``q_fold`` 2; in the engine the rotary kernel folds it in instead, ``query_prescale``,
       and the launcher's pass over q goes; the scale inside the exp2 instead, ``q_fold`` 0, saves that elementwise
       pass, 1.08x at 2k, but SmolLM2's bf16 logprobs came out further from fp32 with it on
       the H200 and on the CPU: 0.23 vs 0.20 worst top-5 error, see docs/BENCHMARKS.md).
       16-bit q, KV extent up to ``LONG_PREFILL``: 128-row q tiles, 32-position KV tiles, 5
-      stages, a 128-register cap (2 programs per SM; the fifth session's 2k winner, 0.5-1%
+      stages, a 128-register cap (2 programs per SM; the 2k winner of 2026-11-29, 0.5-1%
       ahead of 256-row tiles there). Past it: 256-row q tiles (64 tokens x 4 heads at GQA 4)
-      over 64-position KV tiles, 3 stages, when there are more than 128 query rows (eighth
-      session, 8k: 1.03-1.04x the fifth session's 128 / 128, 5 stages, which short chunks over
+      over 64-position KV tiles, 3 stages, when there are more than 128 query rows (2026-11-30,
+      8k: 1.03-1.04x the 2026-11-29 pick of 128 / 128, 5 stages, which short chunks over
       long contexts keep). fp32 queries keep the baseline tile shape.
 
     ``baseline``: the untuned configuration (128-position tiles, 3 stages, all variant flags

@@ -1,10 +1,11 @@
 """``paged-backend bench kernels --variants``: paged-attention code paths side by side (CUDA only).
 
-Issue 3 left three minimums unmet (docs/BENCHMARKS.md, "Kernels (issue 3)"): bf16 decode at
-batch 8 x 4k, the fp8 decode speed-up over bf16, and prefill against SDPA. The kernel has
-candidate code paths behind ``AttentionConfig`` fields (kernels/paged_attention.py) whose
-defaults are the measured baseline. This module runs them in one process, in jobs of
-falling priority (a decode cell with both KV dtypes, or a prefill length)::
+Three of the minimums the kernels are held to (docs/BENCHMARKS.md, "Kernels") were unmet when
+this sweep was written: bf16 decode at batch 8 x 4k, the fp8 decode speed-up over bf16, and
+prefill against SDPA. The kernel has candidate code paths behind ``AttentionConfig`` fields
+(kernels/paged_attention.py) whose defaults are the measured baseline. This module runs them
+in one process, in jobs of falling priority (a decode cell with both KV dtypes, or a prefill
+length)::
 
     per job   compile every variant in parallel (Triton's AsyncCompileMode, when present)
               check every variant against the reference (decode: the first <= 8 requests of
@@ -16,7 +17,7 @@ falling priority (a decode cell with both KV dtypes, or a prefill length)::
 
 A variant that fails to compile or launch (e.g. out of shared memory) is reported and
 skipped. ``--budget-s`` bounds the whole sweep: jobs and variants past it are skipped, so
-the tables come back inside one device call. Pick winners from the tables and set them in
+the tables come back inside one time-limited run. Pick winners from the tables and set them in
 ``pick_config`` / ``pick_num_splits``.
 """
 
@@ -87,7 +88,7 @@ DECODE_VARIANTS = [
     Variant("pairs t64", {"fp8_pairs": True, "tile_n": 64}, kinds=("fp8",)),
     Variant("pairs t64 splits x2", {"fp8_pairs": True, "tile_n": 64}, "x2", kinds=("fp8",)),
     Variant("pairs stages4", {"fp8_pairs": True, "num_stages": 4}, kinds=("fp8",)),
-    # eighth session: context splits matched to the occupancy (programs_per_sm), fixed split counts
+    # 2026-11-30: context splits matched to the occupancy (programs_per_sm), fixed split counts
     Variant("o32", {"offsets32": True}, kinds=("bf16",)),
     Variant("o32 maxnreg168 sm3", {"offsets32": True, "maxnreg": 168, "programs_per_sm": 3}, kinds=("bf16",)),
     Variant("fo32 maxnreg168 sm3", {**_FO, "maxnreg": 168, "programs_per_sm": 3}, kinds=("bf16",)),
@@ -107,8 +108,8 @@ DECODE_VARIANTS = [
     Variant("pairs o32 n64", {"fp8_pairs": True, "offsets32": True}, "64", kinds=("fp8",)),
     Variant("pairs o32 maxnreg128 n64", {"fp8_pairs": True, "offsets32": True, "maxnreg": 128}, "64",
             kinds=("fp8",)),
-    # eighth session: split merge loading all splits at once (rb), launched programmatically dependent (pdl)
-    # ("new": the eighth-session defaults, timed against these as 'default')
+    # 2026-11-30: split merge loading all splits at once (rb), launched programmatically dependent (pdl)
+    # ("new": the decode defaults since 2026-11-30, timed against these as 'default')
     Variant("new fused", {**_FO, "reduce_block": 64, "pdl": True}, kinds=("bf16",)),
     Variant("new sm3", {"offsets32": True, "reduce_block": 64, "pdl": True, "programs_per_sm": 3}, kinds=("bf16",)),
     Variant("new t64 stages4", {"offsets32": True, "reduce_block": 64, "pdl": True, "tile_n": 64, "num_stages": 4},
@@ -140,7 +141,7 @@ PREFILL_VARIANTS = [
     Variant("fold2 o32 t64 stages5", {**_F2, "tile_n": 64, "num_stages": 5}),
     Variant("fold2 o32 t32 stages5 maxnreg128", {**_F2, "tile_n": 32, "num_stages": 5, "maxnreg": 128}),  # 2 CTAs/SM
     Variant("fold2 o32 m64 t64 w4 stages5", {**_F2, "block_m": 64, "tile_n": 64, "num_warps": 4, "num_stages": 5}),
-    # eighth session: 256-row q tiles (each K/V tile feeds twice the rows), one warpgroup per 128 rows
+    # 2026-11-30: 256-row q tiles (each K/V tile feeds twice the rows), one warpgroup per 128 rows
     Variant("m256 t64 stages3", {**_F2, "block_m": 256, "tile_n": 64, "num_stages": 3}),
     Variant("m256 t64 stages4", {**_F2, "block_m": 256, "tile_n": 64, "num_stages": 4}),
     Variant("m256 t64 stages5", {**_F2, "block_m": 256, "tile_n": 64, "num_stages": 5}),
@@ -487,7 +488,7 @@ class VariantSweep:
                 self.say(f"  [budget] skipped {what} {arg}")
                 continue
             t0 = time.time()
-            try:  # one failed job (out of memory, a bug) must not cost the rest of the device call
+            try:  # one failed job (out of memory, a bug) must not cost the rest of the sweep
                 if what == "decode":
                     self.decode_job(*arg, results)
                 else:

@@ -1,7 +1,7 @@
 """``paged-backend bench kernels``: check the Triton kernels against their references on the GPU,
 then time them and print a table (CUDA only).
 
-What is timed, and the ceiling each is held to (issue 3's minimums)::
+What is timed, and the ceiling each is held to (the kernels' minimums: docs/BENCHMARKS.md, "Kernels")::
 
     ceilings     device copy (bytes read + written) and a bf16 GEMM, measured in the same run
     decode       paged attention, one query token per request, 32 q heads over 8 KV heads,
@@ -617,7 +617,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"  [{g} took {time.time() - t0:.0f} s]", flush=True)
     bench.summary()
     int4_rc = 0
-    if "int4" in groups:  # issue 5's table: the int4 GEMM vs bf16 cuBLAS, from `bench quant`'s code
+    if "int4" in groups:  # the int4 table: the int4 GEMM vs bf16 cuBLAS, from `bench quant`'s code
         from paged_backend import bench_quant
 
         quant_args = ["--only", "int4"] + (["--json", args.json + ".int4.json"] if args.json else [])

@@ -1,8 +1,9 @@
 """``paged-backend bench peer``: vLLM's kernels beside ours, same cells, same process, same timing (CUDA).
 
-Issue 3's and 5's minimums are ratios against the copy bandwidth, SDPA and cuBLAS. This puts
-the kernels vLLM runs for the same jobs on this GPU next to ours, measured the same way, so a
-minimum our kernel misses can be read against what the best-known kernel reaches::
+The minimums the kernels are held to (docs/BENCHMARKS.md, "Kernels" and "Quantized weights")
+are ratios against the copy bandwidth, SDPA and cuBLAS. This puts the kernels vLLM runs for the
+same jobs on this GPU next to ours, measured the same way, so a minimum our kernel misses can
+be read against what the best-known kernel reaches::
 
     decode   paged attention, one query token per request (32 q / 8 KV heads, head_dim 128, block
              size 16, the grid of ``bench kernels``): ours and FlashAttention-3 as vLLM's FLASH_ATTN

@@ -1,10 +1,10 @@
-"""The Triton W4A16 kernels against the torch reference: small K/N under the CPU interpreter (the
-issue's M grid, odd multiples of the group size, groups 32/64/128/-1, act-order on and off; then
-every compile-time variant: the FMA GEMV with 1/2/4 rows and each activation load mode, the
-tl.dot path with and without W^T x^T and with the scale before or after the dot, split-K through
-the reduce kernel and through the last program, uneven K, a group size without 16-row blocks),
-full Llama-3.1-8B sizes, the inline-PTX mma path and CUDA-graph replays on CUDA; and the reference against a
-from-scratch per-element dequantization."""
+"""The Triton W4A16 kernels against the torch reference: small K/N under the CPU interpreter
+(the M grid 1, 7, 16, 64, 256, odd multiples of the group size, groups 32/64/128/-1, act-order on
+and off; then every compile-time variant: the FMA GEMV with 1/2/4 rows and each activation load
+mode, the tl.dot path with and without W^T x^T and with the scale before or after the dot, split-K
+through the reduce kernel and through the last program, uneven K, a group size without 16-row
+blocks), full Llama-3.1-8B sizes, the inline-PTX mma path and CUDA-graph replays on CUDA; and the
+reference against a from-scratch per-element dequantization."""
 
 from __future__ import annotations
 
@@ -104,7 +104,7 @@ def _check(m, k, n, group_size, act_order, dtype, bias=True, config=None, seed=0
     return got
 
 
-# (M, K, N, group_size, act_order, dtype): the issue's M grid; K and N odd multiples of the group
+# (M, K, N, group_size, act_order, dtype): M grid 1, 7, 16, 64, 256; K and N odd multiples of the group
 CASES = [
     (1, 96, 160, 32, False, torch.float16),
     (1, 192, 96, 64, True, torch.bfloat16),
@@ -213,7 +213,7 @@ def test_default_config_paths():
         assert mod.default_config(1, 4096, 4096, 128).path == "gemv"
         assert {mod.default_config(m, 4096, 4096, 128).path for m in (7, 16, 64, 256)} == {"dot"}
         assert mod.default_config(16, 4096, 4096, 128).swap_ab  # few tokens: the weight tile is MMA-M
-        # split-K sums: the tile's last program up to 16 rows, the reduce kernel from 17 (H200, ninth session)
+        # split-K sums: the tile's last program up to 16 rows, the reduce kernel from 17 (H200, 2026-11-30)
         assert [mod.default_config(m, 4096, 4096, 128).reduce for m in (16, 17, 32, 64)] == [
             "last", "kernel", "kernel", "kernel"]
         # act-order's in-kernel gather: two warps (four doubled its time on the H200)
@@ -286,7 +286,7 @@ def test_config_validation_and_launcher_errors():
         int4_gemm(x, qweight, scales, zeros, 32, config=mma)
 
 
-# -- CUDA: full sizes (the issue's M grid over Llama-3.1-8B's projections, group 128) -------------
+# -- CUDA: full sizes (M grid 1, 7, 16, 64, 256 over Llama-3.1-8B's projections, group 128) --------
 
 CUDA_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="full-size kernel test needs CUDA")
