@@ -221,7 +221,7 @@ class EngineAdapter:
             raise self._load_error
 
     def _load(self) -> None:
-        from paged_backend.async_engine import AsyncEngine
+        from paged_backend.engine.async_engine import AsyncEngine
 
         try:
             engine = AsyncEngine(self.config)

@@ -29,7 +29,7 @@ import venv
 from dataclasses import dataclass
 from pathlib import Path
 
-from paged_backend.default_model import cache_dir
+from paged_backend.models.default_model import cache_dir
 
 NUMPY1_SPEC = "numpy>=1.21,<2"
 

@@ -11,19 +11,19 @@ __all__ = ["LLM", "AsyncEngine", "EngineConfig", "SamplingParams", "RequestOutpu
            "LLMEngine", "InvalidRequestError"]
 
 if TYPE_CHECKING:
-    from paged_backend.async_engine import AsyncEngine
     from paged_backend.config import EngineConfig
-    from paged_backend.engine import LLMEngine
+    from paged_backend.engine.async_engine import AsyncEngine
+    from paged_backend.engine.llm import LLM
+    from paged_backend.engine.llm_engine import LLMEngine
     from paged_backend.errors import InvalidRequestError
-    from paged_backend.llm import LLM
     from paged_backend.outputs import CompletionOutput, RequestOutput
     from paged_backend.sampling_params import SamplingParams
 
 _LAZY = {
-    "LLM": "paged_backend.llm",
-    "AsyncEngine": "paged_backend.async_engine",
+    "LLM": "paged_backend.engine.llm",
+    "AsyncEngine": "paged_backend.engine.async_engine",
     "EngineConfig": "paged_backend.config",
-    "LLMEngine": "paged_backend.engine",
+    "LLMEngine": "paged_backend.engine.llm_engine",
     "SamplingParams": "paged_backend.sampling_params",
     "RequestOutput": "paged_backend.outputs",
     "CompletionOutput": "paged_backend.outputs",

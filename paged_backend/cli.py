@@ -72,7 +72,7 @@ def _sampling_args(p: argparse.ArgumentParser) -> None:
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
-    from paged_backend.llm import LLM
+    from paged_backend.engine.llm import LLM
     from paged_backend.sampling_params import SamplingParams
 
     cfg = engine_config_from_args(args)
@@ -104,10 +104,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
-    from paged_backend.bench import add_throughput_parser
-    from paged_backend.bench_peer import add_peer_parser
-    from paged_backend.bench_quant import add_quant_parser
-    from paged_backend.bench_serve import add_serve_parser
+    from paged_backend.benchmarks.peer import add_peer_parser
+    from paged_backend.benchmarks.quant import add_quant_parser
+    from paged_backend.benchmarks.serve import add_serve_parser
+    from paged_backend.benchmarks.throughput import add_throughput_parser
 
     add_throughput_parser(bsub)
     add_quant_parser(bsub)
@@ -120,7 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _cmd_bench_kernels(args: argparse.Namespace) -> int:
-    from paged_backend import bench_kernels
+    from paged_backend.benchmarks import kernels as bench_kernels
 
     return int(bench_kernels.main(args.rest) or 0)
 

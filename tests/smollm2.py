@@ -29,7 +29,7 @@ PROMPTS = [
 
 @functools.lru_cache(maxsize=1)
 def model_dir() -> str:
-    from paged_backend.default_model import ensure_default_model
+    from paged_backend.models.default_model import ensure_default_model
 
     return str(ensure_default_model())
 

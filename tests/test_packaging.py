@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROBE = """
 import importlib.util, json, sys
 import paged_backend.kernels as k, paged_backend.adapters as a
-import paged_backend.scheduler, paged_backend.kv_cache_manager, paged_backend.block_pool
+import paged_backend.core.scheduler, paged_backend.core.kv_cache_manager, paged_backend.core.block_pool
 print(json.dumps({
     "kernels": k.__file__, "adapters": a.__file__,
     "top_kernels": getattr(importlib.util.find_spec("kernels"), "origin", None),

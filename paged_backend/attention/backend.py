@@ -73,11 +73,11 @@ def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
     if name == "auto":
         name = "triton" if device.type == "cuda" else "torch"
     if name == "torch":
-        from paged_backend.attention.torch_backend import TorchAttentionBackend
+        from paged_backend.attention.torch_attn import TorchAttentionBackend
 
         return TorchAttentionBackend()
     if name == "triton":
-        from paged_backend.attention.triton_backend import TritonAttentionBackend
+        from paged_backend.attention.triton_attn import TritonAttentionBackend
 
         return TritonAttentionBackend()
     raise ValueError(f"unknown attention backend {name!r}")

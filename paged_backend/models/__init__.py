@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from paged_backend.model_info import SUPPORTED_ARCHITECTURES
 from paged_backend.models.layers import ModelOps, reference_ops
 from paged_backend.models.llama import LlamaForCausalLM
+from paged_backend.models.model_info import SUPPORTED_ARCHITECTURES
 
 __all__ = ["LlamaForCausalLM", "ModelOps", "get_model_class", "reference_ops"]
 

@@ -22,7 +22,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_backend.attention.backend import AttentionBackend, AttentionMetadata
-from paged_backend.model_info import ModelInfo
 from paged_backend.models.layers import (
     FusedLinear,
     ModelOps,
@@ -30,6 +29,7 @@ from paged_backend.models.layers import (
     RotaryEmbedding,
     reference_ops,
 )
+from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.parallel import (
     down_proj,
     embed_tokens,

@@ -26,8 +26,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_backend.model_info import ModelInfo
 from paged_backend.models.layers import Embedding, FusedLinear, ShardId, new_param
+from paged_backend.models.model_info import ModelInfo
 
 if TYPE_CHECKING:
     from paged_backend.distributed import TPGroup

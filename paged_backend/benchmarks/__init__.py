@@ -1,0 +1,1 @@
+"""Benchmarks behind ``paged-backend bench``: throughput, serving, kernels, quantization, peers."""

@@ -1,0 +1,1 @@
+"""Requests, KV blocks, prefix-cache hashing and the scheduler: pure Python, no torch."""

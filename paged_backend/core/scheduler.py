@@ -1,0 +1,224 @@
+"""Continuous batching under a token budget; no prefill or decode phase.
+
+Each step the scheduler walks the running requests (oldest first), then admits waiting
+ones (FCFS), giving each ``min(num_tokens - num_computed_tokens, budget left)`` new
+tokens: a whole prompt, a chunk of it, the recompute of a preempted request or one
+decode token are the same thing. When the KV-cache manager cannot provide a block, the
+most recently arrived running request is preempted by recompute (its blocks are freed,
+it goes back to the front of the waiting queue; nothing it generated is lost).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from operator import attrgetter
+
+from paged_backend.core.kv_cache_manager import KVCacheManager
+from paged_backend.core.request import Request, RequestStatus
+
+_new_tokens_of = attrgetter("num_new_tokens")
+
+
+class ScheduledRequest:
+    """What the model runner needs to compute for one request this step.
+
+    A snapshot taken when scheduled: ``token_ids`` (the tokens to compute) and ``samples``
+    (this step reaches the request's last token: its logits are sampled) are plain
+    attributes, so the runner's per-request reads cost no Python call. Under async
+    scheduling the last token may still be on the device (``request.num_pending``): it
+    shows as -1 in ``token_ids`` and the runner copies it from the previous step's sampled ids.
+    """
+
+    __slots__ = ("request", "start_pos", "num_new_tokens", "block_ids", "token_ids", "samples")
+
+    def __init__(self, request: Request, start_pos: int, num_new_tokens: int, block_ids: list[int],
+                 samples: bool | None = None) -> None:
+        self.request = request
+        self.start_pos = start_pos  # == num_computed_tokens before this step
+        self.num_new_tokens = num_new_tokens
+        self.block_ids = block_ids
+        end = start_pos + num_new_tokens
+        all_ids = request.all_token_ids
+        known = len(all_ids)
+        if end <= known:
+            self.token_ids: list[int] = all_ids[start_pos:end]
+        else:  # tokens sampled by the step in flight: placeholders
+            self.token_ids = all_ids[start_pos:] + [-1] * (end - known)
+        self.samples: bool = end == known + request.num_pending if samples is None else samples
+
+    def __repr__(self) -> str:
+        return (f"ScheduledRequest({self.request.request_id!r}, start_pos={self.start_pos}, "
+                f"num_new_tokens={self.num_new_tokens}, blocks={self.block_ids})")
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
+    preempted: list[str] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(map(_new_tokens_of, self.scheduled))
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv_manager: KVCacheManager,
+        *,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_chunked_prefill: bool = True,
+    ) -> None:
+        self.kv = kv_manager
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.chunked = enable_chunked_prefill
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._step = 0  # counts schedule() calls; marks which requests this step already took
+
+    # -- queue management -------------------------------------------------------------
+
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def add_running(self, request: Request) -> None:
+        """A request whose KV is already in place (a fork of an n > 1 parent)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """Mark finished (stopped, length or aborted) and free its blocks now."""
+        if request.status.finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        else:
+            try:
+                self.waiting.remove(request)
+            except ValueError:
+                pass
+        request.status = status
+        self.kv.free(request)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # -- one step ---------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.max_num_batched_tokens
+        self._step = step = self._step + 1
+        # the running loop is the per-step cost of every decode: plain attributes, no helpers
+        running, kv, chunked = self.running, self.kv, self.chunked
+        scheduled, block_ids, quiet_end = out.scheduled, kv.req_block_ids, kv.quiet_end
+
+        i = 0
+        max_len = self.max_model_len
+        while i < len(running) and budget > 0:
+            req = running[i]
+            start = req.num_computed_tokens
+            pending = req.num_pending
+            num_new = len(req.all_token_ids) + pending - start
+            if pending and (len(req.output_token_ids) + pending >= req.max_tokens
+                            or len(req.all_token_ids) + pending >= max_len):
+                i += 1  # the token in flight is its last: nothing more to compute
+                continue
+            samples = True  # this step reaches the last token
+            if num_new > budget:
+                if not chunked:
+                    i += 1
+                    continue
+                num_new, samples = budget, False
+            if num_new <= 0:
+                i += 1
+                continue
+            # most decode steps write into the current block without filling it: no KV call
+            if start + num_new >= quiet_end.get(req.request_id, 0) and kv.allocate_slots(req, num_new) is None:
+                while True:
+                    victim = max(running, key=lambda r: (r.arrival_time, r.request_id))
+                    if victim.scheduled_step == step:
+                        # never preempt what this step already computes: preempt req instead
+                        victim = req
+                    self._preempt(victim, out)
+                    if victim is req or kv.allocate_slots(req, num_new) is not None:
+                        break
+                if victim is req:
+                    continue  # req itself was preempted; the list shifted, i stays
+            req.num_computed_tokens = start + num_new
+            req.scheduled_step = step
+            # the manager's list itself: it is never changed in place (a new list when the blocks
+            # change), so it is a snapshot, and the step-input builder skips rows it already holds
+            scheduled.append(ScheduledRequest(req, start, num_new, block_ids[req.request_id], samples))
+            budget -= num_new
+            i += 1
+
+        if not out.preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+                req = self.waiting[0]
+                if req.num_pending:  # preempted while its last token was in flight: next step
+                    break
+                computed, num_cached = [], 0
+                if req.sampling_params.prompt_logprobs is None:
+                    computed, num_cached = self.kv.get_computed_blocks(req)
+                num_new = self._num_new_tokens(req, budget, num_cached)
+                if num_new == 0:
+                    break
+                if self.kv.allocate_slots(req, num_new, computed) is None:
+                    break
+                self.waiting.popleft()
+                if req.num_cached_tokens < 0:
+                    req.num_cached_tokens = num_cached
+                req.num_computed_tokens = num_cached
+                req.status = RequestStatus.RUNNING
+                req.scheduled_step = step
+                self.running.append(req)
+                out.scheduled.append(self._record(req, num_new))
+                budget -= num_new
+
+        out.blocks_to_copy = self.kv.take_pending_copies()
+        return out
+
+    def _num_new_tokens(self, req: Request, budget: int, num_cached: int | None = None) -> int:
+        computed = req.num_computed_tokens if num_cached is None else num_cached
+        num_new = req.num_tokens - computed
+        if num_new > budget:
+            if not self.chunked:
+                return 0
+            num_new = budget
+        return max(0, num_new)
+
+    def _record(self, req: Request, num_new: int) -> ScheduledRequest:
+        start = req.num_computed_tokens
+        req.num_computed_tokens += num_new
+        return ScheduledRequest(req, start, num_new, self.kv.get_block_ids(req.request_id))
+
+    def _preempt(self, req: Request, out: SchedulerOutput) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+        out.preempted.append(req.request_id)

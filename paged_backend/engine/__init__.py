@@ -1,0 +1,1 @@
+"""The engine: requests in, outputs out (LLMEngine, AsyncEngine, LLM)."""

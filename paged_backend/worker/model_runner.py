@@ -1,0 +1,295 @@
+"""Turns a SchedulerOutput into model inputs, runs the model over the paged KV cache and
+returns the logits rows the engine samples from.
+
+Per step it builds (step_inputs.py; attention/backend.py has the index math)::
+
+    input_ids, positions   [T]          the new tokens of every scheduled request, concatenated
+    slot_mapping           [T]  int64   block_ids[pos // bs] * bs + pos % bs
+    block_tables           [S, maxblk]  int32 (entries past a request's blocks are never read)
+    seq_lens, query_start_loc           int32
+
+On CUDA, decode-only steps of up to ``max_cudagraph_capture_size`` requests replay a
+captured CUDA graph (cuda_graphs.py) instead of launching the model's kernels one by one.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from paged_backend.attention import AttentionMetadata, get_attention_backend
+from paged_backend.config import EngineConfig, resolve_limits
+from paged_backend.core.scheduler import SchedulerOutput
+from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+from paged_backend.models.model_info import ModelInfo
+from paged_backend.models.ops import get_kernel_ops
+from paged_backend.models.parallel import local_heads
+from paged_backend.worker.cuda_graphs import DecodeGraphs
+from paged_backend.worker.model_loader import load_model
+from paged_backend.worker.step_inputs import StepInputBuilder
+
+if TYPE_CHECKING:
+    from paged_backend.distributed import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ModelOutput:
+    """Logits rows to sample, in the order of ``sample_request_ids``."""
+
+    sample_request_ids: list[str]
+    logits: torch.Tensor  # [num_samples, vocab] float32
+    # request id -> (logits [n, vocab] float32 for prompt positions start..start+n-1)
+    prompt_logits: dict[str, tuple[int, torch.Tensor]]
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir, info: ModelInfo, device: torch.device, dtype: torch.dtype,
+                 tp: TPGroup | None = None):
+        self.config = config
+        self.tp = tp  # tensor parallelism: this rank's group (None: the whole model here)
+        self.num_kv_heads = local_heads(info, tp)[1]  # KV heads whose cache this rank holds
+        self.info = info
+        self.device = device
+        self.dtype = dtype
+        self.block_size = config.block_size
+        self.attn_backend = get_attention_backend(config.attention_backend, device)
+        # memory other engines / programs held before this one loaded (not ours to count)
+        self._mem_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        ops = get_kernel_ops(device, "torch" if config.attention_backend == "torch" else "auto")
+        self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format, ops=ops,
+                                quantization=config.quantization, tp=tp)
+        self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
+        if config.fp8_kv:
+            self._setup_kv_scales()
+        self.kv_caches: list[torch.Tensor] = []
+        self.num_blocks = 0
+        self.limits = resolve_limits(config, info.max_position_embeddings, device)
+        max_blocks = -(-self.limits.max_model_len // self.block_size) + 1
+        self.inputs = StepInputBuilder(self.limits.max_num_batched_tokens, self.limits.max_num_seqs, max_blocks,
+                                       self.block_size, device)
+        self._overflow: StepInputBuilder | None = None
+        self.graphs: DecodeGraphs | None = None
+        self._calibration_done = False
+        self._profiled = False  # a profiling prefill ran (it also compiled the prefill-only kernels)
+        self.step_counts = {"graph": 0, "eager": 0}  # forward passes by path (bench prints them)
+
+    def _setup_kv_scales(self) -> None:
+        """FP8 KV: scales from the checkpoint, else from the first batch if asked, else 1.0."""
+        attns = [m for m in self.model.modules() if hasattr(m, "calibrate_kv_scales")]
+        if self.config.calculate_kv_scales:
+            for m in attns:
+                m.calibrate_kv_scales = True
+        elif all(float(m.k_scale) == 1.0 and float(m.v_scale) == 1.0 for m in attns):
+            logger.warning("fp8 KV cache: the checkpoint has no k_scale/v_scale; using 1.0 "
+                           "(pass --calculate-kv-scales to compute them from the first batch)")
+
+    # -- KV cache --------------------------------------------------------------------
+
+    @property
+    def bytes_per_block(self) -> int:
+        elem = torch.empty((), dtype=self.kv_dtype).element_size()
+        i = self.info
+        return 2 * self.block_size * self.num_kv_heads * i.head_dim * elem * i.num_layers
+
+    def determine_num_blocks(self) -> int:
+        """From the memory budget: explicit bytes, the GPU's free memory, or a share of RAM."""
+        cfg = self.config
+        if cfg.num_gpu_blocks_override is not None:
+            return cfg.num_gpu_blocks_override
+        if cfg.kv_cache_memory_bytes is not None:
+            budget = cfg.kv_cache_memory_bytes
+        elif self.device.type == "cuda":
+            budget = self._profile_gpu_budget()
+        else:
+            budget = min(4 << 30, _available_ram() // 4)
+        return max(2, budget // self.bytes_per_block)
+
+    def _profile_gpu_budget(self) -> int:
+        """gpu_memory_utilization of the card, minus weights and a profiled activation peak."""
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        n = self.limits.max_num_batched_tokens
+        self._dummy_forward(n)
+        self._profiled = True
+        torch.cuda.synchronize(self.device)
+        peak = torch.cuda.max_memory_allocated(self.device) - self._mem_before  # weights + activations
+        torch.cuda.empty_cache()
+        free, total = torch.cuda.mem_get_info(self.device)
+        # this engine may use gpu_memory_utilization of the card, and no more than is free now
+        budget = min(int(total * self.config.gpu_memory_utilization) - peak, free - (512 << 20))
+        if budget <= 0:
+            raise ValueError(
+                f"no memory left for the KV cache: weights + activations take {peak / 2**30:.1f} GiB of "
+                f"{total / 2**30:.1f} GiB at gpu_memory_utilization={self.config.gpu_memory_utilization}"
+            )
+        return budget
+
+    def _dummy_forward(self, num_tokens: int) -> None:
+        """One prefill of num_tokens into a throwaway cache, to measure the activation peak."""
+        bs, dev = self.block_size, self.device
+        nblk = -(-num_tokens // bs)
+        caches = [torch.zeros((2, nblk + 1, bs, self.num_kv_heads, self.info.head_dim),
+                              dtype=self.kv_dtype, device=dev) for _ in range(self.info.num_layers)]
+        pos = torch.arange(num_tokens, device=dev)
+        meta = AttentionMetadata(
+            slot_mapping=pos + bs,
+            block_tables=torch.arange(1, nblk + 1, dtype=torch.int32, device=dev)[None],
+            seq_lens=torch.tensor([num_tokens], dtype=torch.int32, device=dev),
+            query_start_loc=torch.tensor([0, num_tokens], dtype=torch.int32, device=dev),
+            max_query_len=num_tokens, max_seq_len=num_tokens, block_size=bs,
+            seq_lens_cpu=[num_tokens], query_lens_cpu=[num_tokens],
+        )
+        attns = [m for m in self.model.modules() if getattr(m, "calibrate_kv_scales", False)]
+        for m in attns:  # a dummy batch must not set the fp8 scales
+            m.calibrate_kv_scales = False
+        with torch.inference_mode():
+            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), pos, caches, meta)
+            self.model.compute_logits(hidden[: min(num_tokens, self.limits.max_num_seqs)])
+        for m in attns:
+            m.calibrate_kv_scales = True
+        del caches
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        """The cache, then (on CUDA) the decode graphs that read it."""
+        self.num_blocks = num_blocks
+        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
+        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
+                          for _ in range(self.info.num_layers)]
+        if self.device.type == "cuda" and not self._profiled:
+            self.warm_up_prefill()
+        self.warm_up_attention()
+        if self._graphs_wanted():
+            self.capture_cuda_graphs()
+
+    def warm_up_prefill(self) -> None:
+        """One small prefill into a throwaway cache, when no profiling prefill ran (the KV budget was
+        given): it compiles the kernel variants only prefill steps launch (the rotary kernel that
+        folds the softmax scale into q, int4 GEMM tiles for more than 64 rows), which would
+        otherwise compile on the first prompt (a stall of a second or more on that request)."""
+        t0 = time.perf_counter()
+        self._dummy_forward(min(self.limits.max_num_batched_tokens, 256))
+        logger.info("prefill kernels warmed up in %.1f s", time.perf_counter() - t0)
+
+    def warm_up_attention(self) -> None:
+        """Compile the attention kernel variants any step can need now, not on the step that first
+        needs one (a stall of seconds: a server's first request of a new shape)."""
+        warm = getattr(self.attn_backend, "warm_up", None)
+        if warm is None or not self.kv_caches:
+            return
+        t0 = time.perf_counter()
+        heads = local_heads(self.info, self.tp)[0]
+        lim = self.limits
+        try:
+            n = warm(self.kv_caches[0], self.dtype, heads, max_num_seqs=lim.max_num_seqs,
+                     max_num_batched_tokens=lim.max_num_batched_tokens, max_model_len=lim.max_model_len,
+                     max_blocks=self.inputs.max_blocks, sliding_window=getattr(self.model, "sliding_window", None))
+        except Exception as exc:  # an optimisation: a failure here must not stop the engine (steps compile then)
+            logger.warning("attention kernel warm-up failed (kernels will compile on first use): %s", exc)
+            return
+        logger.info("attention kernels warmed up for %d step shapes in %.1f s", n, time.perf_counter() - t0)
+
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        if not pairs:
+            return
+        src = torch.tensor([p[0] for p in pairs], device=self.device)
+        dst = torch.tensor([p[1] for p in pairs], device=self.device)
+        for cache in self.kv_caches:
+            cache[:, dst] = cache[:, src]
+
+    # -- one step ----------------------------------------------------------------------
+
+    def _builder_for(self, sched: SchedulerOutput) -> StepInputBuilder:
+        """The persistent buffers; a step past their size (forked samples over max_num_seqs) gets
+        a larger eager-only set, kept for reuse."""
+        n_seqs = len(sched.scheduled)
+        n_tok = sum(s.num_new_tokens for s in sched.scheduled)
+        n_blk = max((len(s.block_ids) for s in sched.scheduled), default=1)
+        for b in (self.inputs, self._overflow):
+            if b is not None and b.fits(n_tok, n_seqs, n_blk):
+                return b
+        lim = self.limits
+        self._overflow = StepInputBuilder(max(n_tok, lim.max_num_batched_tokens), max(n_seqs, lim.max_num_seqs),
+                                          max(n_blk, self.inputs.max_blocks), self.block_size, self.device)
+        return self._overflow
+
+    @torch.inference_mode()
+    def execute(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor] | None = None
+                ) -> ModelOutput:
+        """Queue the step's forward pass; the logits come back unsynchronized (device tensors).
+
+        ``prev`` (async scheduling): the step still in flight's sampled request ids and their
+        sampled token ids (device), for the tokens scheduled before they were known.
+        """
+        self.copy_blocks(sched.blocks_to_copy)
+        builder = self._builder_for(sched)
+        n_seqs = len(sched.scheduled)
+        bucket = None
+        if self.graphs is not None and builder is self.inputs and self._graphs_usable():
+            if all(s.num_new_tokens == 1 for s in sched.scheduled):
+                bucket = self.graphs.bucket(n_seqs)
+        window = getattr(self.model, "sliding_window", None)
+        if bucket is not None:
+            step = builder.build(sched, pad_to=bucket, max_seq_len_bound=self.limits.max_model_len,
+                                 sliding_window=window, prev=prev)
+            hidden = self.graphs.replay(bucket)
+            self.step_counts["graph"] += 1
+        else:
+            self.step_counts["eager"] += 1
+            step = builder.build(sched, sliding_window=window, prev=prev)
+            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+        rows = step.sample_rows
+        if len(rows) == step.num_tokens:  # every row samples (decode): no gather
+            sel = hidden[: step.num_tokens]
+        else:
+            sel = hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        logits = self.model.compute_logits(sel)
+        prompt_logits = {
+            rid: (start, self.model.compute_logits(hidden[first : first + count]))
+            for rid, first, count, start in step.prompt_spans
+        }
+        return ModelOutput(step.sample_request_ids, logits, prompt_logits)
+
+    # -- CUDA graphs ------------------------------------------------------------------
+
+    def _graphs_wanted(self) -> bool:
+        cfg = self.config
+        return (self.device.type == "cuda" and not cfg.enforce_eager and self.attn_backend.name == "triton"
+                and (self.tp is None or self.tp.world_size == 1))
+
+    def _graphs_usable(self) -> bool:
+        """Not while an fp8 KV scale still waits for the first batch (the graphs skip that branch)."""
+        if self._calibration_done:
+            return True
+        self._calibration_done = not any(getattr(m, "calibrate_kv_scales", False) for m in self.model.modules())
+        return self._calibration_done
+
+    def capture_cuda_graphs(self) -> None:
+        lim = self.limits
+        max_size = min(self.config.max_cudagraph_capture_size, lim.max_num_seqs, lim.max_num_batched_tokens)
+        self.graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
+                                   self.inputs, max_size, lim.max_model_len)
+        pending = [m for m in self.model.modules() if getattr(m, "calibrate_kv_scales", False)]
+        for m in pending:  # a dummy batch must not set the fp8 scales
+            m.calibrate_kv_scales = False
+        try:
+            self.graphs.capture(getattr(self.model, "sliding_window", None))
+        finally:
+            for m in pending:
+                m.calibrate_kv_scales = True
+
+
+def _available_ram() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 8 << 30

@@ -1,0 +1,390 @@
+"""Tensor parallelism across processes: one scheduler on rank 0, the model on every rank.
+
+    rank 0 (the engine)                                   rank r > 0 (a worker)
+    Scheduler -> SchedulerOutput -> StepPlan  --broadcast (gloo)-->  StepPlan
+    ModelRunner.execute(plan)  <--all-reduce / logits gather-->  ModelRunner.execute(plan)
+    Sampler (rank 0 only: the logits are gathered there)
+
+``create_model_runner`` gives the engine a plain ``ModelRunner`` at tensor_parallel_size 1,
+and above it a ``TensorParallelRunner`` with the same interface, which starts the workers
+itself (torch.multiprocessing, spawn), or under ``torchrun`` turns ranks > 0 into workers in
+place. A dead worker fails the engine with ``WorkerDiedError``; ``shutdown`` (also at
+interpreter exit) stops and reaps every worker.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from paged_backend.config import EngineConfig
+from paged_backend.core.scheduler import SchedulerOutput
+from paged_backend.distributed import (
+    DEVICE_TIMEOUT_S,
+    TPGroup,
+    abort_tp_group,
+    destroy_tp_group,
+    init_tp_group,
+)
+from paged_backend.errors import EngineDeadError
+from paged_backend.models.model_info import ModelInfo
+from paged_backend.models.parallel import check_tp_compatible
+from paged_backend.worker.model_runner import ModelOutput, ModelRunner
+
+logger = logging.getLogger(__name__)
+
+_READY_KEY = "paged_backend/tp_ready/{}"
+
+
+class WorkerDiedError(EngineDeadError):
+    """A tensor-parallel worker died (or a collective failed): the engine cannot go on."""
+
+
+# -- what rank 0 sends each step ---------------------------------------------------------------
+
+
+@dataclass
+class PlanSamplingParams:
+    prompt_logprobs: int | None
+
+
+@dataclass
+class PlanRequest:
+    """The few request fields ``ModelRunner.execute`` reads."""
+
+    request_id: str
+    num_prompt_tokens: int
+    sampling_params: PlanSamplingParams
+
+
+@dataclass
+class PlannedRequest:
+    """A ``ScheduledRequest`` without the live ``Request``: same attribute names, picklable."""
+
+    request: PlanRequest
+    start_pos: int
+    num_new_tokens: int
+    block_ids: list[int]
+    token_ids: list[int]
+    samples: bool
+
+
+@dataclass
+class StepPlan:
+    """The compact, picklable form of a ``SchedulerOutput`` that every rank executes."""
+
+    scheduled: list[PlannedRequest]
+    blocks_to_copy: list[tuple[int, int]]
+
+    @classmethod
+    def from_scheduler_output(cls, sched: SchedulerOutput) -> StepPlan:
+        return cls(
+            [
+                PlannedRequest(
+                    PlanRequest(s.request.request_id, s.request.num_prompt_tokens,
+                                PlanSamplingParams(s.request.sampling_params.prompt_logprobs)),
+                    s.start_pos, s.num_new_tokens, list(s.block_ids), list(s.token_ids), s.samples,
+                )
+                for s in sched.scheduled
+            ],
+            list(sched.blocks_to_copy),
+        )
+
+
+@dataclass
+class RankReport:
+    """One rank's KV cache: its blocks and how many the requests still alive hold."""
+
+    rank: int
+    pid: int
+    device: str
+    num_blocks: int  # incl. the null block
+    kv_cache_shape: tuple[int, ...]
+    num_used_blocks: int
+    num_free_blocks: int
+
+
+class _BlockLedger:
+    """Which blocks each request holds, as this rank learnt it from the plans it executed."""
+
+    def __init__(self) -> None:
+        self.blocks: dict[str, list[int]] = {}
+
+    def record(self, plan: StepPlan) -> None:
+        for s in plan.scheduled:
+            self.blocks[s.request.request_id] = s.block_ids
+
+    def report(self, tp: TPGroup, runner: ModelRunner, live: set[str]) -> RankReport:
+        self.blocks = {rid: b for rid, b in self.blocks.items() if rid in live}
+        used = len({b for blocks in self.blocks.values() for b in blocks})
+        shape = tuple(runner.kv_caches[0].shape) if runner.kv_caches else ()
+        return RankReport(tp.rank, os.getpid(), str(runner.device), runner.num_blocks, shape, used,
+                          runner.num_blocks - 1 - used)
+
+
+# -- the factory -------------------------------------------------------------------------------
+
+
+def create_model_runner(
+    config: EngineConfig, model_dir: Path, info: ModelInfo, device: torch.device, dtype: torch.dtype
+) -> ModelRunner | TensorParallelRunner:
+    """The engine's model runner: local at tensor_parallel_size 1, else over all ranks."""
+    if config.tensor_parallel_size == 1:
+        return ModelRunner(config, model_dir, info, device, dtype)
+    return TensorParallelRunner(config, model_dir, info, device, dtype)
+
+
+def _rank_device(device: torch.device, local_rank: int) -> torch.device:
+    if device.type != "cuda":
+        return torch.device("cpu")
+    if local_rank >= torch.cuda.device_count():
+        raise ValueError(f"tensor parallel rank {local_rank} needs GPU {local_rank}, but only "
+                         f"{torch.cuda.device_count()} are visible")
+    return torch.device("cuda", local_rank)
+
+
+def _torchrun_rank() -> int | None:
+    """This process's rank when launched by torchrun (or any env:// launcher), else None."""
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ:
+        return int(os.environ["RANK"])
+    return None
+
+
+# -- rank 0 --------------------------------------------------------------------------------
+
+
+class TensorParallelRunner:
+    """Rank 0's runner: ``ModelRunner``'s interface; every call is mirrored on the workers."""
+
+    def __init__(self, config: EngineConfig, model_dir: Path, info: ModelInfo, device: torch.device,
+                 dtype: torch.dtype) -> None:
+        self.world_size = config.tensor_parallel_size
+        check_tp_compatible(info, self.world_size)
+        self._procs: list[mp.Process] = []
+        self._failure: WorkerDiedError | None = None
+        self._closed = False
+        self._ledger = _BlockLedger()
+        self._lock = threading.Lock()  # one mirrored call at a time (the engine thread vs. reports)
+        self.tp: TPGroup | None = None
+        atexit.register(self.shutdown)
+        try:
+            rank = _torchrun_rank()
+            if rank is None:
+                dev = _rank_device(device, 0)
+                self._start_workers(config, model_dir, info, device, dtype, dev)
+            else:
+                dev = _rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
+                if rank != 0:  # torchrun: this process is a worker; it leaves when rank 0 shuts down
+                    atexit.unregister(self.shutdown)
+                    tp = init_tp_group(rank, self.world_size, dev)
+                    run_worker(config, model_dir, info, dev, dtype, tp)
+                    raise SystemExit(0)
+                self.tp = init_tp_group(0, self.world_size, dev)
+            if dev.type == "cuda":
+                threading.Thread(target=self._watch_workers, name="paged-backend-tp-watch", daemon=True).start()
+            self.runner = ModelRunner(config, model_dir, info, dev, dtype, tp=self.tp)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("tensor parallel: %d ranks (%s), %d q / %d KV heads per rank", self.world_size,
+                    self.tp.backend, info.num_heads // self.world_size, self.runner.num_kv_heads)
+
+    # -- ModelRunner's interface ---------------------------------------------------------
+
+    def __getattr__(self, name: str) -> Any:  # kv_dtype, num_blocks, bytes_per_block, model, ...
+        if name == "runner":
+            raise AttributeError(name)
+        return getattr(self.runner, name)
+
+    def determine_num_blocks(self) -> int:
+        """The KV blocks that fit on every rank (all-reduce MIN of each rank's own budget)."""
+        return self._mirrored("num_blocks", None, lambda: self.tp.min_int(self.runner.determine_num_blocks()))
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        self._mirrored("allocate", num_blocks, lambda: self.runner.allocate_kv_cache(num_blocks))
+
+    def execute(self, sched: SchedulerOutput) -> ModelOutput:
+        plan = StepPlan.from_scheduler_output(sched)
+        self._ledger.record(plan)
+        return self._mirrored("step", plan, lambda: self.runner.execute(plan))
+
+    def rank_reports(self, live_request_ids: set[str] | list[str]) -> list[RankReport]:
+        """Every rank's KV-block accounting; ``live_request_ids``: the requests holding blocks now."""
+        live = set(live_request_ids)
+        return self._mirrored("report", live,
+                              lambda: self.tp.gather_objects(self._ledger.report(self.tp, self.runner, live)))
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # -- failure and shutdown ------------------------------------------------------------
+
+    def _mirrored(self, cmd: str, arg: Any, local: Callable[[], Any]) -> Any:
+        """Sends ``(cmd, arg)`` to the workers and runs ``local`` here; any failure is fatal."""
+        if self._failure is not None:
+            raise self._failure
+        if self._closed:
+            raise WorkerDiedError("the tensor-parallel engine was shut down")
+        with self._lock:
+            dead = self._dead_workers()
+            if dead:
+                raise self._fail(None, dead)
+            try:
+                self.tp.broadcast_object((cmd, arg))
+                return local()
+            except Exception as exc:
+                raise self._fail(exc, self._dead_workers(wait_s=2.0)) from exc
+
+    def _dead_workers(self, wait_s: float = 0.0) -> list[mp.Process]:
+        deadline = time.monotonic() + wait_s
+        while True:
+            dead = [p for p in self._procs if not p.is_alive()]
+            if dead or time.monotonic() >= deadline:
+                return dead
+            time.sleep(0.05)
+
+    def _fail(self, exc: BaseException | None, dead: list[mp.Process]) -> WorkerDiedError:
+        if dead:
+            rank = {p.pid: i + 1 for i, p in enumerate(self._procs)}
+            what = ", ".join(f"rank {rank[p.pid]} (pid {p.pid}, exit code {p.exitcode})" for p in dead)
+            msg = f"tensor-parallel worker {what} died; the engine cannot continue"
+        else:
+            msg = f"a tensor-parallel collective failed ({exc!r}); the engine cannot continue"
+        logger.error(msg)
+        self._failure = WorkerDiedError(msg)
+        self._stop_workers(grace_s=0.0)
+        return self._failure
+
+    def _watch_workers(self) -> None:
+        """CUDA: a collective with a dead peer waits on NCCL's timeout; abort it at once instead."""
+        while not self._closed and self._failure is None:
+            if self._dead_workers():
+                abort_tp_group()
+                return
+            time.sleep(0.5)
+
+    def _stop_workers(self, grace_s: float) -> None:
+        deadline = time.monotonic() + grace_s
+        for p in self._procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in self._procs:
+            if p.is_alive():
+                p.terminate()
+        for p in self._procs:
+            p.join(2.0)
+            if p.is_alive():
+                p.kill()
+                p.join()
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stops the workers (asked, then terminated, then killed) and leaves the process group."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.shutdown)
+        # a step stuck in a collective holds the lock: then the workers are terminated instead
+        if self._lock.acquire(timeout=timeout_s):
+            try:
+                if self.tp is not None and self._failure is None and not self._dead_workers():
+                    self.tp.broadcast_object(("shutdown", None))
+            except Exception:
+                logger.debug("shutdown broadcast failed", exc_info=True)
+            finally:
+                self._lock.release()
+            self._stop_workers(grace_s=timeout_s)
+        else:
+            self._stop_workers(grace_s=0.0)
+        if self.tp is not None:
+            destroy_tp_group()
+
+    # -- starting the workers ------------------------------------------------------------
+
+    def _start_workers(self, config: EngineConfig, model_dir: Path, info: ModelInfo, device: torch.device,
+                       dtype: torch.dtype, dev: torch.device) -> None:
+        """Spawns ranks 1..N-1, waits until each is up (or dies), then forms the group."""
+        if dist.is_initialized():
+            raise RuntimeError("this process is already in a torch.distributed group (another tensor-parallel "
+                               "engine?): shut that engine down first")
+        store = dist.TCPStore("127.0.0.1", 0, self.world_size, is_master=True,
+                              timeout=timedelta(seconds=DEVICE_TIMEOUT_S), wait_for_workers=False)
+        threads = max(1, torch.get_num_threads() // self.world_size) if device.type == "cpu" else 0
+        ctx = mp.get_context("spawn")
+        for rank in range(1, self.world_size):
+            p = ctx.Process(target=_worker_main, name=f"paged-backend-tp{rank}", daemon=True,
+                            args=(rank, self.world_size, store.port, os.getpid(), config, str(model_dir), info,
+                                  device.type, dtype, threads))
+            p.start()
+            self._procs.append(p)
+        keys = [_READY_KEY.format(r) for r in range(1, self.world_size)]
+        deadline = time.monotonic() + DEVICE_TIMEOUT_S
+        while not store.check(keys):
+            dead = self._dead_workers()
+            if dead:
+                raise self._fail(None, dead)
+            if time.monotonic() > deadline:
+                raise self._fail(TimeoutError(f"workers not up after {DEVICE_TIMEOUT_S:.0f}s"), [])
+            time.sleep(0.05)
+        self.tp = init_tp_group(0, self.world_size, dev, store=store)
+
+
+# -- ranks > 0 -------------------------------------------------------------------------------
+
+
+def run_worker(config: EngineConfig, model_dir: Path | str, info: ModelInfo, device: torch.device,
+               dtype: torch.dtype, tp: TPGroup) -> None:
+    """A worker's life: load this rank's slice of the model, then run what rank 0 broadcasts."""
+    runner = ModelRunner(config, Path(model_dir), info, device, dtype, tp=tp)
+    ledger = _BlockLedger()
+    while True:
+        cmd, arg = tp.broadcast_object()
+        if cmd == "step":
+            ledger.record(arg)
+            runner.execute(arg)
+        elif cmd == "num_blocks":
+            tp.min_int(runner.determine_num_blocks())
+        elif cmd == "allocate":
+            runner.allocate_kv_cache(arg)
+        elif cmd == "report":
+            tp.gather_objects(ledger.report(tp, runner, arg))
+        elif cmd == "shutdown":
+            return
+        else:
+            raise RuntimeError(f"unknown command from rank 0: {cmd!r}")
+
+
+def _exit_when_orphaned(parent_pid: int) -> None:
+    """A spawned worker must not outlive the engine process, however that one ends."""
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="paged-backend-parent-watch", daemon=True).start()
+
+
+def _worker_main(rank: int, world_size: int, port: int, parent_pid: int, config: EngineConfig, model_dir: str,
+                 info: ModelInfo, device_type: str, dtype: torch.dtype, threads: int) -> None:
+    """Entry point of a spawned worker process."""
+    _exit_when_orphaned(parent_pid)
+    if threads:
+        torch.set_num_threads(threads)
+    dev = _rank_device(torch.device(device_type), rank)
+    store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
+                          timeout=timedelta(seconds=DEVICE_TIMEOUT_S))
+    store.set(_READY_KEY.format(rank), "1")
+    tp = init_tp_group(rank, world_size, dev, store=store)
+    run_worker(config, model_dir, info, dev, dtype, tp)
+    destroy_tp_group()

@@ -1,0 +1,105 @@
+"""The OpenAI protocol layer without a model: request mapping and OpenAI-shaped errors."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from paged_backend.adapters.api import AdapterError
+from paged_backend.adapters.openai_protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from paged_backend.adapters.openai_server import (
+    _completion_logprobs,
+    _message_dicts,
+    _TokenText,
+    chat_sampling_params,
+    completion_sampling_params,
+    create_openai_app,
+)
+
+
+@pytest.fixture(scope="module")
+def client():
+    with TestClient(create_openai_app(prefix="/v1"), raise_server_exceptions=False) as c:
+        yield c
+
+
+def _error(resp, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    body = resp.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    return body["error"]
+
+
+def test_malformed_json_is_400(client):
+    err = _error(client.post("/v1/chat/completions", content=b'{"model": "m", "messages": [',
+                             headers={"content-type": "application/json"}), 400)
+    assert err["type"] == "invalid_request_error" and "not valid JSON" in err["message"]
+
+
+def test_missing_field_is_400_naming_it(client):
+    err = _error(client.post("/v1/chat/completions", json={"model": "m"}), 400)
+    assert err["param"] == "messages" and "messages" in err["message"]
+    err = _error(client.post("/v1/completions", json={"model": "m"}), 400)
+    assert err["param"] == "prompt"
+
+
+def test_mistyped_field_is_400(client):
+    err = _error(client.post("/v1/chat/completions", json={"messages": [], "n": "many"}), 400)
+    assert err["param"] == "n"
+
+
+def test_no_engine_is_503_and_unknown_route_404(client):
+    assert _error(client.get("/v1/models"), 503)["type"] == "service_unavailable_error"
+    _error(client.get("/v1/nothing"), 404)
+
+
+def test_chat_fields_map_to_sampling_params():
+    body = ChatCompletionRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=5,
+                                 max_completion_tokens=9, logprobs=True, top_logprobs=3, top_k=4, stop="x", seed=1)
+    params, names = chat_sampling_params(body)
+    assert (params.max_tokens, params.logprobs, params.top_k, params.stop, params.seed) == (9, 3, 4, ["x"], 1)
+    assert names["max_tokens"] == "max_completion_tokens"
+    plain, _ = chat_sampling_params(ChatCompletionRequest(messages=[ChatMessage(role="user", content="hi")]))
+    assert plain.max_tokens is None and plain.logprobs is None  # chat: up to the context
+
+
+def test_chat_error_names_the_field_the_user_sent():
+    body = ChatCompletionRequest(messages=[ChatMessage(role="user", content="hi")], max_completion_tokens=0)
+    with pytest.raises(AdapterError) as ei:
+        chat_sampling_params(body)
+    assert ei.value.param == "max_completion_tokens"
+    with pytest.raises(AdapterError) as ei:
+        chat_sampling_params(ChatCompletionRequest(messages=[ChatMessage(role="user", content="hi")],
+                                                   top_logprobs=2))
+    assert ei.value.param == "top_logprobs"
+
+
+def test_completion_echo_with_logprobs_asks_for_prompt_logprobs():
+    params, _ = completion_sampling_params(CompletionRequest(prompt="a", echo=True, logprobs=2))
+    assert (params.max_tokens, params.logprobs, params.prompt_logprobs) == (16, 2, 2)
+    params, _ = completion_sampling_params(CompletionRequest(prompt="a", logprobs=2))
+    assert params.prompt_logprobs is None
+
+
+def test_content_parts_are_joined_and_images_refused():
+    msgs = _message_dicts([ChatMessage(role="user", content=[{"type": "text", "text": "a"},
+                                                             {"type": "text", "text": "b"}])])
+    assert msgs == [{"role": "user", "content": "ab"}]
+    with pytest.raises(AdapterError):
+        _message_dicts([ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])])
+    with pytest.raises(AdapterError):
+        _message_dicts([])
+
+
+def test_completion_logprobs_offsets_follow_the_text():
+    from transformers import AutoTokenizer
+
+    from paged_backend.models.default_model import ensure_default_model
+
+    tok = AutoTokenizer.from_pretrained(ensure_default_model())
+    ids = tok.encode(" Paris is nice")
+    lps = [{t: -0.5, 0: -1.0} for t in ids]
+    out, end = _completion_logprobs(ids, lps, 1, _TokenText(tok), 10)
+    assert "".join(out.tokens) == " Paris is nice"
+    assert out.text_offset[0] == 10 and end == 10 + len(" Paris is nice")
+    assert out.token_logprobs == [-0.5] * len(ids)
+    assert all(len(t) == 1 for t in out.top_logprobs)  # top-1 is the chosen token itself here
