@@ -131,7 +131,7 @@ def output_lens(n: int, output_len: int, range_ratio: float, seed: int = 3) -> l
 
 
 def add_throughput_parser(sub) -> None:
-    from paged_backend.cli import add_engine_args
+    from paged_backend.engine_args import add_engine_args
 
     p = sub.add_parser("throughput", help="offline throughput on random prompts")
     add_engine_args(p, model_positional=True)
@@ -162,8 +162,8 @@ def add_throughput_parser(sub) -> None:
 
 
 def run_throughput(args: argparse.Namespace) -> int:
-    from paged_backend.cli import engine_config_from_args
     from paged_backend.engine.llm import LLM
+    from paged_backend.engine_args import engine_config_from_args
     from paged_backend.kernels._launch import compiled_variants
     from paged_backend.sampling_params import SamplingParams
 

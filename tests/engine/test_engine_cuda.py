@@ -16,8 +16,7 @@ from smollm2 import MAX_NEW, PROMPTS, model_dir, prompt_ids
 
 from paged_backend import LLM, SamplingParams
 
-pytestmark = [pytest.mark.slow,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+pytestmark = [pytest.mark.slow, pytest.mark.cuda]
 
 TEXT = ("The Industrial Revolution began in Great Britain in the late eighteenth century and spread to "
         "Europe and North America. It changed how goods were made: hand tools gave way to machines, and "

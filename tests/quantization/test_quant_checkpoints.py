@@ -25,7 +25,7 @@ from paged_backend.attention import get_attention_backend
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.worker.model_loader import load_model
 
-ROOT = Path(__file__).resolve().parents[2] / "quant_checkpoints"
+ROOT = Path(__file__).resolve().parents[1] / "quant_checkpoints"
 CHECKPOINTS = sorted(p.name for p in ROOT.iterdir() if (p / "reference.pt").is_file()) if ROOT.is_dir() else []
 LOGIT_ATOL = 1e-4
 

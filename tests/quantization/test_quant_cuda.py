@@ -17,9 +17,9 @@ from paged_backend.models.model_info import ModelInfo
 from paged_backend.quantization.fp8 import quantize_activations
 from paged_backend.worker.model_loader import load_model
 
-ROOT = Path(__file__).resolve().parents[2] / "quant_checkpoints"
+ROOT = Path(__file__).resolve().parents[1] / "quant_checkpoints"
 CHECKPOINTS = sorted(p.name for p in ROOT.iterdir() if (p / "reference.pt").is_file()) if ROOT.is_dir() else []
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+pytestmark = pytest.mark.cuda
 
 
 def _load(path: Path, device: str):

@@ -591,7 +591,7 @@ def test_fast_path_bf16_and_empty_batch() -> None:
         Sampler()(logits, meta_for([SamplingParams()] * 2))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.cuda
 def test_cuda_device_pass_makes_no_host_sync() -> None:
     vocab = 32_000
     params = [
