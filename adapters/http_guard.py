@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.responses import JSONResponse
 
-from .openai_server import error_body
+from .openai_errors import error_body
 from .serving_options import ServingOptions
 
 PROTECTED_PATHS = ("/v1", "/generate", "/stats")

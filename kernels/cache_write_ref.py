@@ -9,9 +9,9 @@ the e4m3 range and rounded to nearest even.
 from __future__ import annotations
 
 import torch
+from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0
+__all__ = ["FP8_DTYPE", "FP8_MAX", "quantize_fp8", "write_kv_cache_ref"]
 
 
 def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

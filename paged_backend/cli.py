@@ -1,4 +1,4 @@
-"""``paged-backend`` command line: ``generate``, ``chat`` and ``bench {throughput,serve,kernels,quant,peer}``.
+"""``paged-backend`` command line: ``generate`` and ``bench {throughput,serve,kernels,quant,peer}``.
 
 Engine flags use vLLM's names (``--max-num-seqs``, ``--kv-cache-dtype fp8`` ...); each
 maps one to one onto an :class:`EngineConfig` field.

@@ -66,18 +66,3 @@ class AttentionBackend(Protocol):
         q_scaled: bool = False,  # query carries ``query_scale``'s factor
     ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of query
         ...
-
-
-def get_attention_backend(name: str, device: torch.device) -> AttentionBackend:
-    """``auto`` picks Triton on CUDA when it imports, the torch reference elsewhere."""
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
-        from paged_backend.attention.torch_attn import TorchAttentionBackend
-
-        return TorchAttentionBackend()
-    if name == "triton":
-        from paged_backend.attention.triton_attn import TritonAttentionBackend
-
-        return TritonAttentionBackend()
-    raise ValueError(f"unknown attention backend {name!r}")

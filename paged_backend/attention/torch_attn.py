@@ -113,7 +113,7 @@ def _build_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device) 
 
 
 def _step_plan(meta: AttentionMetadata, num_tokens: int, device: torch.device) -> _StepPlan:
-    key = ("torch_backend.plan", meta.sliding_window, num_tokens, device)
+    key = ("torch_attn.plan", meta.sliding_window, num_tokens, device)
     plan = meta.step_cache.get(key)
     if plan is None:
         plan = meta.step_cache[key] = _build_plan(meta, num_tokens, device)
@@ -206,7 +206,7 @@ class TorchAttentionBackend:
 
     def _mirror_plan(self, meta: AttentionMetadata, plan: _StepPlan, device: torch.device) -> _MirrorPlan:
         """Built by the first layer of a step (``meta.step_cache``); advances the generation."""
-        key = ("torch_backend.mirror", plan.num_decode, device)
+        key = ("torch_attn.mirror", plan.num_decode, device)
         mp = meta.step_cache.get(key)
         if mp is not None:
             return mp

@@ -56,6 +56,8 @@ class Request:
         self.arrival_time = time.monotonic() if arrival_time is None else arrival_time
         self.cache_salt = cache_salt
         self.eos_token_ids = eos_token_ids
+        # prompt positions whose logits the step inputs gather (prompt logprobs), else 0
+        self.num_prompt_logits = len(self.prompt_token_ids) - 1 if sampling_params.prompt_logprobs is not None else 0
         self.output_token_ids: list[int] = []
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0

@@ -21,23 +21,28 @@ _new_tokens_of = attrgetter("num_new_tokens")
 
 
 class ScheduledRequest:
-    """What the model runner needs to compute for one request this step.
+    """What the model runner computes for one request this step: plain data, no live request.
 
-    A snapshot taken when scheduled: ``token_ids`` (the tokens to compute) and ``samples``
-    (this step reaches the request's last token: its logits are sampled) are plain
-    attributes, so the runner's per-request reads cost no Python call. Under async
-    scheduling the last token may still be on the device (``request.num_pending``): it
-    shows as -1 in ``token_ids`` and the runner copies it from the previous step's sampled ids.
+    A snapshot taken when scheduled: ``token_ids`` (the tokens to compute), ``samples`` (this
+    step reaches the request's last token: its logits are sampled) and ``num_prompt_logits``
+    (prompt positions whose logits are wanted: ``num_prompt_tokens - 1`` when the request asks
+    for prompt logprobs, else 0). Slots keep the runner's per-request reads plain attribute
+    reads, and the snapshot pickles as is (tensor parallelism broadcasts the whole
+    ``SchedulerOutput``). Under async scheduling the last token may still be on the device
+    (``request.num_pending``): it shows as -1 in ``token_ids`` and the runner copies it from
+    the previous step's sampled ids.
     """
 
-    __slots__ = ("request", "start_pos", "num_new_tokens", "block_ids", "token_ids", "samples")
+    __slots__ = ("request_id", "start_pos", "num_new_tokens", "block_ids", "token_ids", "samples",
+                 "num_prompt_logits")
 
     def __init__(self, request: Request, start_pos: int, num_new_tokens: int, block_ids: list[int],
                  samples: bool | None = None) -> None:
-        self.request = request
+        self.request_id: str = request.request_id
         self.start_pos = start_pos  # == num_computed_tokens before this step
         self.num_new_tokens = num_new_tokens
         self.block_ids = block_ids
+        self.num_prompt_logits: int = request.num_prompt_logits
         end = start_pos + num_new_tokens
         all_ids = request.all_token_ids
         known = len(all_ids)
@@ -48,12 +53,14 @@ class ScheduledRequest:
         self.samples: bool = end == known + request.num_pending if samples is None else samples
 
     def __repr__(self) -> str:
-        return (f"ScheduledRequest({self.request.request_id!r}, start_pos={self.start_pos}, "
+        return (f"ScheduledRequest({self.request_id!r}, start_pos={self.start_pos}, "
                 f"num_new_tokens={self.num_new_tokens}, blocks={self.block_ids})")
 
 
 @dataclass
 class SchedulerOutput:
+    """One step's plan, plain data: what every rank's model runner executes."""
+
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[str] = field(default_factory=list)

@@ -21,7 +21,7 @@ from paged_backend.kernels.rms_norm_ref import rms_norm_ref
 from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
 
 if TYPE_CHECKING:
-    from paged_backend.quantization.base import LinearMethod
+    from paged_backend.models.linear_method import LinearMethod
 
 ShardId = str | int
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_backend.attention.backend import AttentionBackend, AttentionMetadata
+from paged_backend.kernels.fp8_types import FP8_MAX
 from paged_backend.models.layers import (
     FusedLinear,
     ModelOps,
@@ -197,8 +198,8 @@ class LlamaAttention(nn.Module):
         q, k = self.rotary_emb(positions, q, k, q_scale)
         if self.calibrate_kv_scales and t > 0:
             # fp8 e4m3 holds +-448: scale so the first batch's largest |K| / |V| fits exactly
-            self.k_scale.copy_(k.detach().abs().amax().float().clamp_min(1e-6) / 448.0)
-            self.v_scale.copy_(v.detach().abs().amax().float().clamp_min(1e-6) / 448.0)
+            self.k_scale.copy_(k.detach().abs().amax().float().clamp_min(1e-6) / FP8_MAX)
+            self.v_scale.copy_(v.detach().abs().amax().float().clamp_min(1e-6) / FP8_MAX)
             self.calibrate_kv_scales = False
         if meta.sliding_window != self.sliding_window:
             meta = replace(meta, sliding_window=self.sliding_window)

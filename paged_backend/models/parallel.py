@@ -31,7 +31,7 @@ from paged_backend.models.model_info import ModelInfo
 
 if TYPE_CHECKING:
     from paged_backend.distributed import TPGroup
-    from paged_backend.quantization.base import LinearMethod
+    from paged_backend.models.linear_method import LinearMethod
 
 
 # -- lazily read checkpoint tensors --------------------------------------------------------

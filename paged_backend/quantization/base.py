@@ -1,14 +1,8 @@
-"""The linear-method interface (vLLM's LinearMethodBase shape) and the per-parameter loaders
-that quantized formats share.
+"""Quantization configs and the per-parameter loaders that quantized formats share; the
+``LinearMethod`` interface they implement is ``models.linear_method``'s.
 
 A ``QuantizationConfig`` is parsed once from the checkpoint's ``quantization_config`` and
-hands each linear layer a ``LinearMethod`` (or None: that layer stays unquantized)::
-
-    method.create_weights(layer, in_features, out_sizes, dtype)   registers the checkpoint's
-        tensors as parameters, each with its own ``weight_loader(param, tensor, shard_id)``
-    ... model.load_weights streams tensors through those loaders (fused q|k|v, gate|up too) ...
-    method.process_weights_after_loading(layer)                   repack into the kernel layout
-    method.apply(layer, x, bias) -> y                             the forward
+hands each linear layer a ``LinearMethod`` (or None: that layer stays unquantized).
 
 ``load_format="dummy"`` replaces the loading step by ``method.init_dummy_weights(layer, gen, std)``:
 seeded random tensors in the checkpoint's format, then the same processing.
@@ -26,27 +20,10 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from paged_backend.models.linear_method import LinearMethod
 from paged_backend.models.parallel import shard_for_rank
 
-
-class LinearMethod(ABC):
-    """How one linear layer holds, loads and applies its weights."""
-
-    @abstractmethod
-    def create_weights(self, layer: nn.Module, in_features: int, out_sizes: Sequence[int], dtype: torch.dtype) -> None:
-        """Registers the checkpoint-format parameters on ``layer`` (each with a ``weight_loader``)."""
-
-    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
-        """Converts the loaded parameters into what ``apply`` uses (default: nothing to do)."""
-
-    @abstractmethod
-    def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """``y = x @ W.T + bias`` for ``x`` [T, in_features] -> [T, sum(out_sizes)] in x's dtype."""
-
-    def init_dummy_weights(self, layer: nn.Module, gen: torch.Generator, std: float) -> None:
-        """Fills the parameters ``create_weights`` registered with random values a checkpoint could
-        hold (dequantized weights of about standard deviation ``std``), for ``load_format="dummy"``."""
-        raise NotImplementedError(f"{type(self).__name__} has no dummy weights")
+__all__ = ["LinearMethod", "QuantizationConfig"]
 
 
 class QuantizationConfig(ABC):

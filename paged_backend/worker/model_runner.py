@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,12 +23,13 @@ import torch
 from paged_backend.attention import AttentionMetadata, get_attention_backend
 from paged_backend.config import EngineConfig, resolve_limits
 from paged_backend.core.scheduler import SchedulerOutput
-from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+from paged_backend.kernels.fp8_types import FP8_DTYPE
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.ops import get_kernel_ops
 from paged_backend.models.parallel import local_heads
 from paged_backend.worker.cuda_graphs import DecodeGraphs
 from paged_backend.worker.model_loader import load_model
+from paged_backend.worker.runner import ModelOutput
 from paged_backend.worker.step_inputs import StepInputBuilder
 
 if TYPE_CHECKING:
@@ -38,17 +38,10 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-@dataclass
-class ModelOutput:
-    """Logits rows to sample, in the order of ``sample_request_ids``."""
-
-    sample_request_ids: list[str]
-    logits: torch.Tensor  # [num_samples, vocab] float32
-    # request id -> (logits [n, vocab] float32 for prompt positions start..start+n-1)
-    prompt_logits: dict[str, tuple[int, torch.Tensor]]
-
-
 class ModelRunner:
+    """The whole model (or one tensor-parallel rank's slice of it) in this process; implements
+    ``ModelRunnerProtocol``."""
+
     def __init__(self, config: EngineConfig, model_dir, info: ModelInfo, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup | None = None):
         self.config = config
@@ -88,6 +81,9 @@ class ModelRunner:
         elif all(float(m.k_scale) == 1.0 and float(m.v_scale) == 1.0 for m in attns):
             logger.warning("fp8 KV cache: the checkpoint has no k_scale/v_scale; using 1.0 "
                            "(pass --calculate-kv-scales to compute them from the first batch)")
+
+    def shutdown(self) -> None:
+        """Nothing to release: the model and its cache go with the runner."""
 
     # -- KV cache --------------------------------------------------------------------
 

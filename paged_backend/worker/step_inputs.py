@@ -12,7 +12,7 @@ ids; ``build`` copies it on the device from that step's sampled ids (``prev``), 
 host never waits for it. The host buffers are rewritten only after the previous upload
 has left them (an event recorded after each upload).
 
-Index math (DESIGN.md's contract)::
+Index math (docs/ARCHITECTURE.md's contract)::
 
     query_start_loc = [0, q0, q0+q1, ...]            seq_lens[i] = start_i + q_i
     positions[t]    = start_i + (t - query_start_loc[i])   for t in request i's rows
@@ -22,12 +22,12 @@ Index math (DESIGN.md's contract)::
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
 
 from paged_backend.attention.backend import AttentionMetadata
+from paged_backend.core.scheduler import ScheduledRequest, SchedulerOutput
 
 
 @dataclass
@@ -43,6 +43,20 @@ class StepInputs:
     sample_request_ids: list[str]
     sample_rows: list[int]  # hidden-state rows whose logits are sampled
     prompt_spans: list[tuple[str, int, int, int]]  # (request id, first row, count, start position)
+
+
+@dataclass
+class _Rows:
+    """The per-request lists one step's rows were filled from."""
+
+    num_seqs: int
+    num_tokens: int
+    starts: list[int]
+    qlens: list[int]
+    max_blocks: int
+    sample_ids: list[str]
+    sample_rows: list[int]
+    prompt_spans: list[tuple[str, int, int, int]]
 
 
 class StepInputBuilder:
@@ -87,7 +101,7 @@ class StepInputBuilder:
     def fits(self, num_tokens: int, num_seqs: int, max_blocks: int) -> bool:
         return num_tokens <= self.max_tokens and num_seqs <= self.max_seqs and max_blocks <= self.max_blocks
 
-    def build(self, sched: Any, pad_to: int | None = None, max_seq_len_bound: int | None = None,
+    def build(self, sched: SchedulerOutput, pad_to: int | None = None, max_seq_len_bound: int | None = None,
               sliding_window: int | None = None,
               prev: tuple[list[str], torch.Tensor] | None = None) -> StepInputs:
         """Fills the buffers; ``pad_to`` rounds a decode-only batch up to a captured graph's size.
@@ -97,7 +111,49 @@ class StepInputBuilder:
         """
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has read the pinned buffers
-        scheduled = sched.scheduled
+        rows = self._fill_rows(sched.scheduled)
+        s_count, num_tokens, qlens = rows.num_seqs, rows.num_tokens, rows.qlens
+        decode_only = num_tokens == s_count
+        seq_lens_cpu = self._fill_positions(rows, decode_only)
+        ph_rows = self._stage_placeholders(sched.scheduled, rows, decode_only, prev)
+
+        n_seqs = n_tok = s_count if decode_only else None
+        if pad_to is not None and decode_only and pad_to > s_count:
+            n_seqs = n_tok = pad_to
+            self._pad(s_count, pad_to)
+        if n_seqs is None:
+            n_seqs, n_tok = s_count, num_tokens
+        self._upload(n_tok, n_seqs, rows.max_blocks)
+        n_ph = len(ph_rows)
+        if n_ph:
+            assert prev is not None
+            src = self._ph_src[:n_ph]
+            if self._ph_src is not self._h_ph_src:
+                src.copy_(self._h_ph_src[:n_ph], non_blocking=True)
+                self._ph_rows[:n_ph].copy_(self._h_ph_rows[:n_ph], non_blocking=True)
+            self.ids.index_copy_(0, self._ph_rows[:n_ph], prev[1].index_select(0, src))
+        if self.device.type == "cuda":
+            if self._uploaded is None:
+                self._uploaded = torch.cuda.Event()
+            self._uploaded.record()
+        dev_table = self.table[:n_seqs] if pad_to is not None else self.table[:n_seqs, :rows.max_blocks]
+        meta = AttentionMetadata(
+            slot_mapping=self.slots[:n_tok],
+            block_tables=dev_table,
+            seq_lens=self.seq_lens[:n_seqs],
+            query_start_loc=self.qsl[: n_seqs + 1],
+            max_query_len=max(qlens, default=1),
+            max_seq_len=max(seq_lens_cpu, default=1) if max_seq_len_bound is None else max_seq_len_bound,
+            block_size=self.block_size,
+            seq_lens_cpu=seq_lens_cpu,
+            query_lens_cpu=qlens,
+            sliding_window=sliding_window,
+        )
+        return StepInputs(self.ids[:n_tok], self.pos[:n_tok], meta, num_tokens, s_count, decode_only,
+                          rows.sample_ids, rows.sample_rows, rows.prompt_spans)
+
+    def _fill_rows(self, scheduled: list[ScheduledRequest]) -> _Rows:
+        """Token ids and block-table rows; the per-request lists the other steps vectorize."""
         s_count = len(scheduled)
         toks: list[int] = []
         starts: list[int] = []
@@ -113,7 +169,6 @@ class StepInputBuilder:
         for row, s in enumerate(scheduled):  # one pass of list appends; numpy takes the lists in one go each
             n = s.num_new_tokens
             start = s.start_pos
-            req = s.request
             toks += s.token_ids
             starts.append(start)
             qlens.append(n)
@@ -123,28 +178,30 @@ class StepInputBuilder:
                 row_blocks[row] = blocks
                 dirty_rows.append(row)
                 flat_blocks += blocks
-            if req.sampling_params.prompt_logprobs is not None:
-                count = min(start + n, req.num_prompt_tokens - 1) - start
+            if s.num_prompt_logits:
+                count = min(start + n, s.num_prompt_logits) - start
                 if count > 0:
-                    prompt_spans.append((req.request_id, t, count, start))
+                    prompt_spans.append((s.request_id, t, count, start))
             t += n
             if s.samples:
-                sample_ids.append(req.request_id)
+                sample_ids.append(s.request_id)
                 sample_rows.append(t - 1)
-        num_tokens = t
-        decode_only = num_tokens == s_count
-        ids, table = self.ids_np, self.table_np
-        ids[:num_tokens] = toks
-        st = np.asarray(starts, dtype=np.int64)
-        ql = np.asarray(qlens, dtype=np.int64)
+        self.ids_np[:t] = toks
         nb = np.asarray(nbs, dtype=np.int64)
-        max_blocks = int(nb.max()) if s_count else 1
         if dirty_rows:  # block ids into their rows: row r gets columns 0..nb[r]-1
             dirty = np.asarray(dirty_rows, dtype=np.int64)
             dnb = nb[dirty]
             rows_of = np.repeat(dirty, dnb)
             col_of = np.arange(len(flat_blocks)) - np.repeat(np.cumsum(dnb) - dnb, dnb)
-            table[rows_of, col_of] = flat_blocks
+            self.table_np[rows_of, col_of] = flat_blocks
+        return _Rows(s_count, t, starts, qlens, int(nb.max()) if s_count else 1, sample_ids, sample_rows,
+                     prompt_spans)
+
+    def _fill_positions(self, rows: _Rows, decode_only: bool) -> list[int]:
+        """seq_lens, query_start_loc, positions and slots; returns seq_lens as a list."""
+        s_count, num_tokens = rows.num_seqs, rows.num_tokens
+        st = np.asarray(rows.starts, dtype=np.int64)
+        ql = np.asarray(rows.qlens, dtype=np.int64)
         seq_lens = self.seq_lens_np
         seq_lens[:s_count] = st + ql
         qsl = self.qsl_np
@@ -159,62 +216,35 @@ class StepInputBuilder:
             seq_idx = np.repeat(np.arange(s_count), ql)
             pos[:num_tokens] = np.arange(num_tokens) + np.repeat(st - qsl[:s_count], ql)
         p = pos[:num_tokens]
-        self.slots_np[:num_tokens] = table[seq_idx, p // bs].astype(np.int64) * bs + p % bs
-        seq_lens_cpu = seq_lens[:s_count].tolist()
-        max_seq_len = max(seq_lens_cpu, default=1)
+        self.slots_np[:num_tokens] = self.table_np[seq_idx, p // bs].astype(np.int64) * bs + p % bs
+        return seq_lens[:s_count].tolist()
 
-        ph_rows = np.flatnonzero(ids[:num_tokens] < 0)
+    def _stage_placeholders(self, scheduled: list[ScheduledRequest], rows: _Rows, decode_only: bool,
+                            prev: tuple[list[str], torch.Tensor] | None) -> np.ndarray:
+        """The rows whose token is still in flight (-1), and where in ``prev`` each one's token is."""
+        ids = self.ids_np
+        ph_rows = np.flatnonzero(ids[: rows.num_tokens] < 0)
         if len(ph_rows):
             if prev is None:
                 raise RuntimeError("a scheduled token is still in flight but no previous step was given")
-            prev_ids, prev_tokens = prev
-            index = {rid: i for i, rid in enumerate(prev_ids)}
-            owners = ph_rows if decode_only else np.searchsorted(qsl[1 : s_count + 1], ph_rows, side="right")
+            index = {rid: i for i, rid in enumerate(prev[0])}
+            s_count = rows.num_seqs
+            owners = ph_rows if decode_only else np.searchsorted(self.qsl_np[1 : s_count + 1], ph_rows, side="right")
             self._h_ph_src[: len(ph_rows)] = torch.from_numpy(
-                np.fromiter((index[scheduled[i].request.request_id] for i in owners.tolist()), np.int64,
-                            len(ph_rows)))
+                np.fromiter((index[scheduled[i].request_id] for i in owners.tolist()), np.int64, len(ph_rows)))
             self._h_ph_rows[: len(ph_rows)] = torch.from_numpy(ph_rows)
-            ids[ph_rows] = 0  # until the device copy below (the CPU reads these very arrays)
+            ids[ph_rows] = 0  # until the device copy in build (the CPU reads these very arrays)
+        return ph_rows
 
-        n_seqs = n_tok = s_count if decode_only else None
-        if pad_to is not None and decode_only and pad_to > s_count:
-            n_seqs = n_tok = pad_to
-            ids[s_count:pad_to] = 0
-            pos[s_count:pad_to] = 0
-            self.slots_np[s_count:pad_to] = -1
-            seq_lens[s_count:pad_to] = 1
-            qsl[s_count + 1 : pad_to + 1] = np.arange(s_count + 1, pad_to + 1)
-            table[s_count:pad_to, 0] = 0
-            row_blocks[s_count:pad_to] = [None] * (pad_to - s_count)
-        if n_seqs is None:
-            n_seqs, n_tok = s_count, num_tokens
-        self._upload(n_tok, n_seqs, max_blocks)
-        n_ph = len(ph_rows)
-        if n_ph:
-            src = self._ph_src[:n_ph]
-            if self._ph_src is not self._h_ph_src:
-                src.copy_(self._h_ph_src[:n_ph], non_blocking=True)
-                self._ph_rows[:n_ph].copy_(self._h_ph_rows[:n_ph], non_blocking=True)
-            self.ids.index_copy_(0, self._ph_rows[:n_ph], prev_tokens.index_select(0, src))
-        if self.device.type == "cuda":
-            if self._uploaded is None:
-                self._uploaded = torch.cuda.Event()
-            self._uploaded.record()
-        dev_table = self.table[:n_seqs] if pad_to is not None else self.table[:n_seqs, :max_blocks]
-        meta = AttentionMetadata(
-            slot_mapping=self.slots[:n_tok],
-            block_tables=dev_table,
-            seq_lens=self.seq_lens[:n_seqs],
-            query_start_loc=self.qsl[: n_seqs + 1],
-            max_query_len=max(qlens, default=1),
-            max_seq_len=max_seq_len if max_seq_len_bound is None else max_seq_len_bound,
-            block_size=bs,
-            seq_lens_cpu=seq_lens_cpu,
-            query_lens_cpu=qlens,
-            sliding_window=sliding_window,
-        )
-        return StepInputs(self.ids[:n_tok], self.pos[:n_tok], meta, num_tokens, s_count, decode_only,
-                          sample_ids, sample_rows, prompt_spans)
+    def _pad(self, s_count: int, pad_to: int) -> None:
+        """Rows s_count..pad_to-1: one token at position 0 in no slot, reading the null block."""
+        self.ids_np[s_count:pad_to] = 0
+        self.pos_np[s_count:pad_to] = 0
+        self.slots_np[s_count:pad_to] = -1
+        self.seq_lens_np[s_count:pad_to] = 1
+        self.qsl_np[s_count + 1 : pad_to + 1] = np.arange(s_count + 1, pad_to + 1)
+        self.table_np[s_count:pad_to, 0] = 0
+        self._row_blocks[s_count:pad_to] = [None] * (pad_to - s_count)
 
     def _upload(self, n_tok: int, n_seqs: int, max_blocks: int) -> None:
         if self.ids is self._h_ids:

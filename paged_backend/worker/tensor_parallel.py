@@ -1,12 +1,13 @@
 """Tensor parallelism across processes: one scheduler on rank 0, the model on every rank.
 
     rank 0 (the engine)                                   rank r > 0 (a worker)
-    Scheduler -> SchedulerOutput -> StepPlan  --broadcast (gloo)-->  StepPlan
-    ModelRunner.execute(plan)  <--all-reduce / logits gather-->  ModelRunner.execute(plan)
+    Scheduler -> SchedulerOutput  --broadcast (gloo)-->  SchedulerOutput
+    ModelRunner.execute(sched)  <--all-reduce / logits gather-->  ModelRunner.execute(sched)
     Sampler (rank 0 only: the logits are gathered there)
 
 ``create_model_runner`` gives the engine a plain ``ModelRunner`` at tensor_parallel_size 1,
-and above it a ``TensorParallelRunner`` with the same interface, which starts the workers
+and above it a ``TensorParallelRunner``; both implement ``ModelRunnerProtocol``
+(worker/runner.py). The tensor-parallel one starts the workers
 itself (torch.multiprocessing, spawn), or under ``torchrun`` turns ranks > 0 into workers in
 place. A dead worker fails the engine with ``WorkerDiedError``; ``shutdown`` (also at
 interpreter exit) stops and reaps every worker.
@@ -41,7 +42,8 @@ from paged_backend.distributed import (
 from paged_backend.errors import EngineDeadError
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.parallel import check_tp_compatible
-from paged_backend.worker.model_runner import ModelOutput, ModelRunner
+from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.runner import ModelOutput, ModelRunnerProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -52,55 +54,7 @@ class WorkerDiedError(EngineDeadError):
     """A tensor-parallel worker died (or a collective failed): the engine cannot go on."""
 
 
-# -- what rank 0 sends each step ---------------------------------------------------------------
-
-
-@dataclass
-class PlanSamplingParams:
-    prompt_logprobs: int | None
-
-
-@dataclass
-class PlanRequest:
-    """The few request fields ``ModelRunner.execute`` reads."""
-
-    request_id: str
-    num_prompt_tokens: int
-    sampling_params: PlanSamplingParams
-
-
-@dataclass
-class PlannedRequest:
-    """A ``ScheduledRequest`` without the live ``Request``: same attribute names, picklable."""
-
-    request: PlanRequest
-    start_pos: int
-    num_new_tokens: int
-    block_ids: list[int]
-    token_ids: list[int]
-    samples: bool
-
-
-@dataclass
-class StepPlan:
-    """The compact, picklable form of a ``SchedulerOutput`` that every rank executes."""
-
-    scheduled: list[PlannedRequest]
-    blocks_to_copy: list[tuple[int, int]]
-
-    @classmethod
-    def from_scheduler_output(cls, sched: SchedulerOutput) -> StepPlan:
-        return cls(
-            [
-                PlannedRequest(
-                    PlanRequest(s.request.request_id, s.request.num_prompt_tokens,
-                                PlanSamplingParams(s.request.sampling_params.prompt_logprobs)),
-                    s.start_pos, s.num_new_tokens, list(s.block_ids), list(s.token_ids), s.samples,
-                )
-                for s in sched.scheduled
-            ],
-            list(sched.blocks_to_copy),
-        )
+# -- what each rank reports ------------------------------------------------------------------
 
 
 @dataclass
@@ -122,9 +76,9 @@ class _BlockLedger:
     def __init__(self) -> None:
         self.blocks: dict[str, list[int]] = {}
 
-    def record(self, plan: StepPlan) -> None:
-        for s in plan.scheduled:
-            self.blocks[s.request.request_id] = s.block_ids
+    def record(self, sched: SchedulerOutput) -> None:
+        for s in sched.scheduled:
+            self.blocks[s.request_id] = s.block_ids
 
     def report(self, tp: TPGroup, runner: ModelRunner, live: set[str]) -> RankReport:
         self.blocks = {rid: b for rid, b in self.blocks.items() if rid in live}
@@ -139,7 +93,7 @@ class _BlockLedger:
 
 def create_model_runner(
     config: EngineConfig, model_dir: Path, info: ModelInfo, device: torch.device, dtype: torch.dtype
-) -> ModelRunner | TensorParallelRunner:
+) -> ModelRunnerProtocol:
     """The engine's model runner: local at tensor_parallel_size 1, else over all ranks."""
     if config.tensor_parallel_size == 1:
         return ModelRunner(config, model_dir, info, device, dtype)
@@ -166,7 +120,8 @@ def _torchrun_rank() -> int | None:
 
 
 class TensorParallelRunner:
-    """Rank 0's runner: ``ModelRunner``'s interface; every call is mirrored on the workers."""
+    """Rank 0's runner (``ModelRunnerProtocol``): rank 0's slice runs here, in ``self.local``, and
+    every call is mirrored on the workers."""
 
     def __init__(self, config: EngineConfig, model_dir: Path, info: ModelInfo, device: torch.device,
                  dtype: torch.dtype) -> None:
@@ -194,37 +149,54 @@ class TensorParallelRunner:
                 self.tp = init_tp_group(0, self.world_size, dev)
             if dev.type == "cuda":
                 threading.Thread(target=self._watch_workers, name="paged-backend-tp-watch", daemon=True).start()
-            self.runner = ModelRunner(config, model_dir, info, dev, dtype, tp=self.tp)
+            self.local = ModelRunner(config, model_dir, info, dev, dtype, tp=self.tp)
         except BaseException:
             self.shutdown()
             raise
         logger.info("tensor parallel: %d ranks (%s), %d q / %d KV heads per rank", self.world_size,
-                    self.tp.backend, info.num_heads // self.world_size, self.runner.num_kv_heads)
+                    self.tp.backend, info.num_heads // self.world_size, self.local.num_kv_heads)
 
-    # -- ModelRunner's interface ---------------------------------------------------------
+    # -- ModelRunnerProtocol -------------------------------------------------------------
 
-    def __getattr__(self, name: str) -> Any:  # kv_dtype, num_blocks, bytes_per_block, model, ...
-        if name == "runner":
-            raise AttributeError(name)
-        return getattr(self.runner, name)
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        return self.local.kv_dtype
+
+    @property
+    def num_blocks(self) -> int:
+        return self.local.num_blocks
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self.local.num_kv_heads
+
+    @property
+    def step_counts(self) -> dict[str, int]:
+        return self.local.step_counts
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.local.bytes_per_block
 
     def determine_num_blocks(self) -> int:
         """The KV blocks that fit on every rank (all-reduce MIN of each rank's own budget)."""
-        return self._mirrored("num_blocks", None, lambda: self.tp.min_int(self.runner.determine_num_blocks()))
+        return self._mirrored("num_blocks", None, lambda: self.tp.min_int(self.local.determine_num_blocks()))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
-        self._mirrored("allocate", num_blocks, lambda: self.runner.allocate_kv_cache(num_blocks))
+        self._mirrored("allocate", num_blocks, lambda: self.local.allocate_kv_cache(num_blocks))
 
-    def execute(self, sched: SchedulerOutput) -> ModelOutput:
-        plan = StepPlan.from_scheduler_output(sched)
-        self._ledger.record(plan)
-        return self._mirrored("step", plan, lambda: self.runner.execute(plan))
+    def execute(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor] | None = None
+                ) -> ModelOutput:
+        if prev is not None:
+            raise ValueError("tensor parallelism runs without async scheduling: no step is in flight")
+        self._ledger.record(sched)
+        return self._mirrored("step", sched, lambda: self.local.execute(sched))
 
     def rank_reports(self, live_request_ids: set[str] | list[str]) -> list[RankReport]:
         """Every rank's KV-block accounting; ``live_request_ids``: the requests holding blocks now."""
         live = set(live_request_ids)
         return self._mirrored("report", live,
-                              lambda: self.tp.gather_objects(self._ledger.report(self.tp, self.runner, live)))
+                              lambda: self.tp.gather_objects(self._ledger.report(self.tp, self.local, live)))
 
     @property
     def worker_pids(self) -> list[int]:

@@ -162,7 +162,7 @@ def test_plan_shared_by_layers_of_a_step():
     outs = [backend.forward(q, k, v, c, meta, 0.2, one, one) for c in caches]
 
     def plans() -> int:
-        return sum(key[0] == "torch_backend.plan" for key in meta.step_cache)
+        return sum(key[0] == "torch_attn.plan" for key in meta.step_cache)
 
     assert plans() == 1
     windowed = replace(meta, sliding_window=8)

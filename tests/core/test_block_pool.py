@@ -25,10 +25,11 @@ def free_ids(pool: BlockPool) -> list[int]:
 # ---- torch-free --------------------------------------------------------------------------
 
 
-def test_allocator_modules_do_not_import_torch() -> None:
+def test_core_modules_do_not_import_torch() -> None:
     code = (
         "import sys\n"
         "import paged_backend.core.block_hash, paged_backend.core.block_pool, paged_backend.core.kv_cache_manager\n"
+        "import paged_backend.core.request, paged_backend.core.scheduler\n"
         "assert 'torch' not in sys.modules, 'torch was imported'\n"
         "print('ok')\n"
     )

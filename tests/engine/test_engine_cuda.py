@@ -52,7 +52,7 @@ def _llm(dtype, **kw):
     return LLM(model_dir(), dtype=dtype, device="cuda", gpu_memory_utilization=0.3, log_stats_interval=0, **kw)
 
 
-def test_triton_backend_is_selected_and_fp32_greedy_equals_transformers():
+def test_triton_attention_is_selected_and_fp32_greedy_equals_transformers():
     llm = _llm("float32", max_num_batched_tokens=64)  # chunked prefill of the long prompt too
     assert llm.engine.runner.attn_backend.name == "triton"
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_NEW, temperature=0), use_tqdm=False)

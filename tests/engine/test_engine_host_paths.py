@@ -265,16 +265,16 @@ def test_scheduler_skipping_allocate_slots_changes_nothing():
             fast.add_request(pair[0])
             slow.add_request(pair[1])
         outs = fast.schedule(), slow.schedule()
-        assert [(s.request.request_id, s.start_pos, s.num_new_tokens, s.block_ids, s.samples, s.token_ids)
+        assert [(s.request_id, s.start_pos, s.num_new_tokens, s.block_ids, s.samples, s.token_ids)
                 for s in outs[0].scheduled] == [
-            (s.request.request_id, s.start_pos, s.num_new_tokens, s.block_ids, s.samples, s.token_ids)
+            (s.request_id, s.start_pos, s.num_new_tokens, s.block_ids, s.samples, s.token_ids)
             for s in outs[1].scheduled]
         assert (outs[0].blocks_to_copy, outs[0].preempted) == (outs[1].blocks_to_copy, outs[1].preempted)
         tok = rng.randrange(50)
         for s0, s1 in zip(outs[0].scheduled, outs[1].scheduled, strict=True):
             if s0.samples:
-                s0.request.append_output_token(tok)
-                s1.request.append_output_token(tok)
+                live[s0.request_id][0].append_output_token(tok)
+                live[s1.request_id][1].append_output_token(tok)
         for rid, (a, b) in list(live.items()):
             if a.status != RequestStatus.RUNNING or a.num_computed_tokens != a.num_tokens - 1:
                 continue

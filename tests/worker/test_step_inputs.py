@@ -32,6 +32,15 @@ class _Sched:
     block_ids: list[int]
 
     @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_prompt_logits(self) -> int:
+        r = self.request
+        return r.num_prompt_tokens - 1 if r.sampling_params.prompt_logprobs is not None else 0
+
+    @property
     def token_ids(self) -> list[int]:
         return self.request.all_token_ids[self.start_pos : self.start_pos + self.num_new_tokens]
 

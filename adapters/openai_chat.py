@@ -1,0 +1,207 @@
+"""``POST /chat/completions``: a conversation through the model's chat template, with
+``n`` choices answered whole or streamed as SSE (a role chunk per choice, content chunks,
+a finish chunk, an optional usage chunk, then ``data: [DONE]``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from paged_backend.outputs import RequestOutput
+
+from .adapter_errors import AdapterError, to_adapter_error
+from .openai_outputs import TokenText, chat_logprobs, usage_info
+from .openai_protocol import (
+    ChatCompletionChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionStreamChoice,
+    ChatMessage,
+    ChatResponseMessage,
+    DeltaMessage,
+)
+from .openai_sampling import chat_sampling_params
+from .openai_state import app_adapter, app_options, app_request_ids, check_model
+from .openai_streaming import (
+    SSE_HEADERS,
+    TextEvent,
+    chain,
+    collect,
+    first_delta,
+    sse,
+    sse_error,
+    until_disconnect,
+)
+from .serving_options import ServingOptions, effective_cache_salt
+
+logger = logging.getLogger(__name__)
+
+
+def _message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    if not messages:
+        raise AdapterError("'messages' must contain at least one message.", param="messages")
+    out = []
+    for i, m in enumerate(messages):
+        content = m.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if isinstance(part, dict):
+                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise AdapterError(f"messages[{i}]: only text content parts are supported "
+                                           f"(got type {part.get('type')!r}).", param="messages")
+                    texts.append(part["text"])
+                else:
+                    texts.append(part.text)
+            content = "".join(texts)
+        msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
+        if m.name is not None:
+            msg["name"] = m.name
+        out.append(msg)
+    return out
+
+
+# chat_template_kwargs names that are apply_chat_template's own arguments, not template variables
+_RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "tools", "documents", "tokenize", "add_generation_prompt", "continue_final_message", "padding",
+    "truncation", "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask", "tokenizer_kwargs",
+})
+
+
+def chat_template_kwargs(body: ChatCompletionRequest, options: ServingOptions) -> dict[str, Any]:
+    """The template variables a chat request passes; a template of its own only when trusted.
+
+    A request-supplied Jinja template can spend unbounded CPU and memory in the sandbox,
+    so it is refused unless the operator set ``trust_request_chat_template``."""
+    kwargs = dict(body.chat_template_kwargs or {})
+    template = kwargs.pop("chat_template", None)
+    if body.chat_template is not None:
+        template = body.chat_template
+    bad = sorted(set(kwargs) & _RESERVED_TEMPLATE_KWARGS)
+    if bad:
+        raise AdapterError(f"chat_template_kwargs may not set '{bad[0]}'.", param="chat_template_kwargs")
+    if template is not None:
+        if not options.trust_request_chat_template:
+            raise AdapterError("This server does not accept chat templates sent with a request (chat_template); "
+                               "the model's own template is used.", param="chat_template",
+                               code="chat_template_not_allowed")
+        if not isinstance(template, str):
+            raise AdapterError("chat_template must be a string.", param="chat_template")
+        kwargs["chat_template"] = template
+    return kwargs
+
+
+async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
+    adapter, options = app_adapter(request), app_options(request)
+    check_model(adapter, body.model)
+    params, names = chat_sampling_params(body)
+    template_kwargs = chat_template_kwargs(body, options)
+    messages = _message_dicts(body.messages)
+    salt = effective_cache_salt(body.cache_salt, body.user, from_user=options.cache_salt_from_user)
+    rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: made here, never from user input
+    response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else rid
+    release = app_request_ids(request).claim(body.request_id, [rid], adapter)
+    handed_off = False
+    try:
+        async def start() -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
+            prompt_ids = await adapter.encode_chat_async(messages, add_generation_prompt=body.add_generation_prompt,
+                                                         chat_template_kwargs=template_kwargs)
+            stream = adapter.generate(prompt_ids, params, request_id=rid, cache_salt=salt, field_names=names)
+            try:
+                return stream, await first_delta(stream)
+            except BaseException:
+                await stream.aclose()
+                raise
+
+        # the client may leave while the prompt is tokenized or prefilled: its request is aborted then
+        stream, first = await until_disconnect(request, start())
+        model = adapter.served_model_name
+        text = TokenText(adapter.tokenizer) if body.logprobs else None
+        k = body.top_logprobs or 0
+        details = options.enable_prompt_tokens_details
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            gen = _chat_stream(response_id, model, params.n, first, stream, text, k, include_usage, details,
+                               on_close=release)
+            handed_off = True
+            return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
+        final = await until_disconnect(request, collect(stream, first))
+    finally:
+        if not handed_off:
+            release()
+    choices = []
+    for c in final.outputs if final is not None else []:
+        lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None else None
+        choices.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
+                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+    resp = ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage_info([final], details))
+    return JSONResponse(resp.model_dump())
+
+
+async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput],
+                       text: TokenText | None, k: int, include_usage: bool, details: bool,
+                       on_close: Callable[[], None]) -> AsyncIterator[str]:
+    """SSE events of a chat stream; the events of one delta go out in one write."""
+    created = int(time.time())
+    extra: dict[str, Any] = {"usage": None} if include_usage else {}
+    content_events: dict[int, TextEvent] = {}
+
+    def chunk(choice: ChatCompletionStreamChoice) -> str:
+        return sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=model,
+                                       choices=[choice], **extra))
+
+    def content(index: int, s: str) -> str:
+        event = content_events.get(index)
+        if event is None:
+            event = content_events[index] = TextEvent(lambda t: ChatCompletionChunk(
+                id=rid, object="chat.completion.chunk", created=created, model=model,
+                choices=[ChatCompletionStreamChoice(index=index, delta=DeltaMessage(content=t), logprobs=None,
+                                                    finish_reason=None)], **extra))
+        return event(s)
+
+    def events(delta: RequestOutput) -> str:
+        out = []
+        for c in delta.outputs:
+            if text is not None and (c.text or c.token_ids):
+                lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text)
+                out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                            logprobs=lp, finish_reason=None)))
+            elif c.text:
+                out.append(content(c.index, c.text))
+            if c.finish_reason is not None:
+                out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+        return "".join(out)
+
+    last: RequestOutput | None = None
+    try:
+        # the role chunks go out with the first delta's events
+        head = "".join(chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
+                                                        logprobs=None, finish_reason=None)) for i in range(n))
+        async for delta in chain(first, stream):
+            last = delta
+            out, head = head + events(delta), ""
+            if out:
+                yield out
+        if head:
+            yield head
+        if include_usage:
+            yield sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=model,
+                                          choices=[], usage=usage_info([last], details)))
+    except AdapterError as err:
+        yield sse_error(err)
+    except Exception as exc:  # after the headers went out an error can only be an SSE event
+        logger.exception("error while streaming %s", rid)
+        yield sse_error(to_adapter_error(exc))
+    finally:
+        await stream.aclose()  # a client gone mid-stream lands here: abort, free the blocks
+        on_close()
+    yield "data: [DONE]\n\n"

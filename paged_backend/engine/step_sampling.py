@@ -1,0 +1,135 @@
+"""A step's logits to token ids: on the host at once, or left on the device (async scheduling).
+
+``launch`` samples a step's rows. Async: the sampling is queued on the device and its ids
+(or ``Sampler.pack`` of the full sampler's results) are copied to pinned host memory behind
+an event; ``land`` waits for that event when the engine processes the step, one step later.
+A batch of plain greedy rows skips the sampler's per-row metadata (``Sampler.greedy``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_backend.core.scheduler import SchedulerOutput
+from paged_backend.engine.request_state import RequestGroup, Row
+from paged_backend.sample.sampler import DeviceSample, Sampler, SamplerOutput, SamplingMetadata
+from paged_backend.worker.runner import ModelOutput
+
+
+@dataclass(eq=False)
+class LaunchedStep:
+    """A step whose forward pass is queued, with how its rows get their tokens.
+
+    Sampled on the host (``token_ids``), or still on the device (``tokens``), copied behind
+    ``event`` to ``landing`` (pinned host memory): the ids, or ``Sampler.pack`` of
+    ``device_sample`` when the full sampler ran.
+    """
+
+    sched: SchedulerOutput
+    out: ModelOutput
+    rows: list[Row]
+    forking: list[RequestGroup]
+    token_ids: list[int] = field(default_factory=list)
+    tokens: torch.Tensor | None = None
+    device_sample: DeviceSample | None = None
+    landing: torch.Tensor | None = None
+    event: torch.cuda.Event | None = None
+
+
+class StepSampler:
+    def __init__(self, sampler: Sampler, eos_token_ids: tuple[int, ...], async_scheduling: bool,
+                 max_num_seqs: int) -> None:
+        self.sampler = sampler
+        self.eos_token_ids = eos_token_ids
+        self.async_scheduling = async_scheduling
+        self.max_num_seqs = max_num_seqs
+        # pinned landing buffers of sampled ids (int64) and of full-sampler results (float64)
+        self._landing: dict[torch.dtype, torch.Tensor] = {}
+        self.num_async_steps = 0  # steps sampled on the device and processed one step later
+
+    def launch(self, launched: LaunchedStep, index: list[int] | None) -> LaunchedStep:
+        """Sample the step's rows (``index``: their logits rows when forks repeat some). Async:
+        queued on the device; otherwise (async off, or samples still to fork) at once, on the host."""
+        logits, rows = launched.out.logits, launched.rows
+        # every row plain greedy by now: argmax only (the per-row checks below are all it costs)
+        fast = True
+        for _, sample in rows:
+            if sample.fast_from and len(sample.request.output_token_ids) < sample.fast_from:
+                fast = False
+                break
+        if not self.async_scheduling or launched.forking or not rows:
+            if index is not None:
+                logits = logits[torch.tensor(index, device=logits.device)]
+            launched.token_ids = self.sampler.greedy(logits) if fast else self._sample(rows, logits)
+            return launched
+        if fast:
+            tokens = src = logits.argmax(dim=-1)
+        else:
+            # the full sampler's results in one buffer: a blocking read in land() would wait
+            # for the step queued after this one
+            ds = launched.device_sample = self._device_sample(rows, logits)
+            tokens, src = ds.token_ids, self.sampler.pack(ds)
+        launched.landing = self._landing_buffer(src)
+        launched.landing.copy_(src, non_blocking=True)
+        if tokens.device.type == "cuda":
+            launched.event = torch.cuda.Event()
+            launched.event.record()
+        launched.tokens = tokens
+        self.num_async_steps += 1
+        for _, sample in rows:
+            sample.request.num_pending = 1
+        return launched
+
+    def land(self, launched: LaunchedStep) -> list[int]:
+        """The step's sampled ids on the host (async: waits for them now)."""
+        if launched.tokens is None:
+            return launched.token_ids
+        if launched.event is not None:
+            launched.event.synchronize()
+        assert launched.landing is not None
+        host = launched.landing.tolist()
+        ds = launched.device_sample
+        rows = launched.rows
+        token_ids = host if ds is None else record_logprobs(rows, self.sampler.unpack(ds, host))
+        for _, sample in rows:
+            sample.request.num_pending = 0
+        return token_ids
+
+    def _landing_buffer(self, src: torch.Tensor) -> torch.Tensor:
+        """A host slice of ``src``'s size and dtype, pinned on CUDA, reused step after step (one
+        step's results are read in land() before the next step's land)."""
+        n = src.shape[0]
+        buf = self._landing.get(src.dtype)
+        if buf is None or buf.shape[0] < n:
+            buf = self._landing[src.dtype] = torch.empty(max(n, 2 * self.max_num_seqs), dtype=src.dtype,
+                                                         pin_memory=src.device.type == "cuda")
+        return buf[:n]
+
+    def _device_sample(self, rows: list[Row], logits: torch.Tensor) -> DeviceSample:
+        """The full sampler, left on the device."""
+        meta = SamplingMetadata(
+            params=[s.request.sampling_params for _, s in rows],
+            generators=[s.generator for _, s in rows],
+            prompt_token_ids=[s.request.prompt_token_ids for _, s in rows],
+            output_token_ids=[s.request.output_token_ids for _, s in rows],
+            eos_token_ids=self.eos_token_ids,
+            specs=[s.spec for _, s in rows],
+        )
+        return self.sampler.sample_tensors(logits, meta, sampled_logprobs=False)
+
+    def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
+        """The full sampler, on the host at once; records the logprobs of the rows that asked."""
+        return record_logprobs(rows, self.sampler.to_output(self._device_sample(rows, logits)))
+
+
+def record_logprobs(rows: list[Row], sampled: SamplerOutput) -> list[int]:
+    """Adds each row's sampled logprobs to its sample (the rows that asked); returns the ids."""
+    if sampled.sampled_logprobs is None:  # no row asked for logprobs
+        return sampled.sampled_token_ids
+    for (_, sample), lp, tops in zip(rows, sampled.sampled_logprobs, sampled.logprobs, strict=True):
+        if sample.wants_logprobs and not sample.request.is_finished:
+            sample.cumulative_logprob += lp
+            sample.new_logprobs.append(tops)
+    return sampled.sampled_token_ids
