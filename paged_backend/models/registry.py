@@ -1,0 +1,28 @@
+"""Which model class runs a checkpoint's ``architectures[0]``: one entry per architecture.
+
+A new family adds its module under ``models/`` and its architectures here (and to
+``model_info.SUPPORTED_ARCHITECTURES``, which the config parser accepts; a test keeps the two equal).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from paged_backend.models.llama import LlamaForCausalLM
+
+# Llama, Mistral, Qwen2 and Qwen3 (and SmolLM, a Llama) share one implementation
+MODEL_REGISTRY: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def get_model_class(architecture: str) -> type[nn.Module]:
+    try:
+        return MODEL_REGISTRY[architecture]
+    except KeyError:
+        raise ValueError(
+            f"unsupported architecture {architecture!r}; supported: {', '.join(MODEL_REGISTRY)}"
+        ) from None
