@@ -60,83 +60,101 @@ def install(header_timeout: float) -> bool:
     if cls is None:
         logger.warning("uvicorn's httptools protocol not found: no header timeout, half-close not kept open")
         return False
-    if getattr(cls, "_paged_backend_header_timeout", None) is not None:
-        cls._paged_backend_header_timeout = header_timeout
-        return True
+    already = getattr(cls, "_paged_backend_header_timeout", None) is not None
     cls._paged_backend_header_timeout = header_timeout
-    original = {h: getattr(cls, h) for h in _HOOKS}
-
-    def arm(self: Any) -> None:
-        disarm(self)
-        self._pb_header_timer = self.loop.call_later(cls._paged_backend_header_timeout, expire, self)
-
-    def disarm(self: Any) -> None:
-        timer = getattr(self, "_pb_header_timer", None)
-        if timer is not None:
-            timer.cancel()
-            self._pb_header_timer = None
-
-    def expire(self: Any) -> None:
-        self._pb_header_timer = None
-        if not self.transport.is_closing():
-            self.transport.write(_TIMEOUT_RESPONSE)
-            self.transport.close()
-
-    def connection_made(self: Any, transport: Any) -> None:
-        original["connection_made"](self, transport)
-        arm(self)
-
-    def connection_lost(self: Any, exc: Exception | None) -> None:
-        disarm(self)
-        drop_probe(self)
-        original["connection_lost"](self, exc)
-
-    def on_message_begin(self: Any) -> None:
-        original["on_message_begin"](self)
-        arm(self)
-
-    def on_headers_complete(self: Any) -> None:
-        disarm(self)
-        original["on_headers_complete"](self)
-
-    def eof_received(self: Any) -> bool | None:
-        cycle = self.cycle
-        if cycle is None or cycle.response_complete:
-            return original["eof_received"](self)
-        self._pb_half_closed = True  # answer first: the write side stays open
-        if not cycle.response_started:  # a closed peer resets on this; a half-closed one reads it
-            self._pb_probe_sock = self.transport.get_extra_info("socket")
-            if self._pb_probe_sock is not None:
-                self.transport.write(_CONTINUE)
-                self.loop.call_later(_PROBE_S, probe, self)
+    if already:
         return True
-
-    def probe(self: Any) -> None:
-        """Half-closed, not answered yet: a reset means the client closed the whole connection."""
-        sock = getattr(self, "_pb_probe_sock", None)
-        if sock is None:
-            return
-        cycle = self.cycle
-        if _was_reset(sock):  # nobody reads: cancel the request like any disconnect
-            drop_probe(self)
-            self.transport.abort()
-            return
-        if cycle is None or cycle.response_started or self.transport.is_closing():
-            drop_probe(self)  # from here on a write to a closed peer fails by itself
-            return
-        self.loop.call_later(_PROBE_S, probe, self)
-
-    def drop_probe(self: Any) -> None:
-        self._pb_probe_sock = None
-
-    def on_response_complete(self: Any) -> None:
-        original["on_response_complete"](self)
-        drop_probe(self)
-        if getattr(self, "_pb_half_closed", False) and not self.transport.is_closing():
-            self.transport.close()
-
-    for name, fn in (("connection_made", connection_made), ("connection_lost", connection_lost),
-                     ("on_message_begin", on_message_begin), ("on_headers_complete", on_headers_complete),
-                     ("eof_received", eof_received), ("on_response_complete", on_response_complete)):
-        setattr(cls, name, fn)
+    _ORIGINAL.update({h: getattr(cls, h) for h in _HOOKS})
+    for name, hook in _replacements().items():
+        setattr(cls, name, hook)
     return True
+
+
+# uvicorn's own hooks, each called first (or last) by the one replacing it below
+_ORIGINAL: dict[str, Any] = {}
+
+
+def _arm(self: Any) -> None:
+    _disarm(self)
+    self._pb_header_timer = self.loop.call_later(type(self)._paged_backend_header_timeout, _expire, self)
+
+
+def _disarm(self: Any) -> None:
+    timer = getattr(self, "_pb_header_timer", None)
+    if timer is not None:
+        timer.cancel()
+        self._pb_header_timer = None
+
+
+def _expire(self: Any) -> None:
+    self._pb_header_timer = None
+    if not self.transport.is_closing():
+        self.transport.write(_TIMEOUT_RESPONSE)
+        self.transport.close()
+
+
+def _connection_made(self: Any, transport: Any) -> None:
+    _ORIGINAL["connection_made"](self, transport)
+    _arm(self)
+
+
+def _connection_lost(self: Any, exc: Exception | None) -> None:
+    _disarm(self)
+    _drop_probe(self)
+    _ORIGINAL["connection_lost"](self, exc)
+
+
+def _on_message_begin(self: Any) -> None:
+    _ORIGINAL["on_message_begin"](self)
+    _arm(self)
+
+
+def _on_headers_complete(self: Any) -> None:
+    _disarm(self)
+    _ORIGINAL["on_headers_complete"](self)
+
+
+def _eof_received(self: Any) -> bool | None:
+    cycle = self.cycle
+    if cycle is None or cycle.response_complete:
+        return _ORIGINAL["eof_received"](self)
+    self._pb_half_closed = True  # answer first: the write side stays open
+    if not cycle.response_started:  # a closed peer resets on this; a half-closed one reads it
+        self._pb_probe_sock = self.transport.get_extra_info("socket")
+        if self._pb_probe_sock is not None:
+            self.transport.write(_CONTINUE)
+            self.loop.call_later(_PROBE_S, _probe, self)
+    return True
+
+
+def _probe(self: Any) -> None:
+    """Half-closed, not answered yet: a reset means the client closed the whole connection."""
+    sock = getattr(self, "_pb_probe_sock", None)
+    if sock is None:
+        return
+    cycle = self.cycle
+    if _was_reset(sock):  # nobody reads: cancel the request like any disconnect
+        _drop_probe(self)
+        self.transport.abort()
+        return
+    if cycle is None or cycle.response_started or self.transport.is_closing():
+        _drop_probe(self)  # from here on a write to a closed peer fails by itself
+        return
+    self.loop.call_later(_PROBE_S, _probe, self)
+
+
+def _drop_probe(self: Any) -> None:
+    self._pb_probe_sock = None
+
+
+def _on_response_complete(self: Any) -> None:
+    _ORIGINAL["on_response_complete"](self)
+    _drop_probe(self)
+    if getattr(self, "_pb_half_closed", False) and not self.transport.is_closing():
+        self.transport.close()
+
+
+def _replacements() -> dict[str, Any]:
+    return {"connection_made": _connection_made, "connection_lost": _connection_lost,
+            "on_message_begin": _on_message_begin, "on_headers_complete": _on_headers_complete,
+            "eof_received": _eof_received, "on_response_complete": _on_response_complete}
