@@ -16,8 +16,7 @@ GQA of any ratio reads each K/V tile once for all its heads::
             tiles start at qsl[i] // BLOCK_Q + i (found by binary search; spare programs
             exit); with <= 1 new token per request (DECODE_ONLY) the q tile is the request
     axis 1: context split (flash decoding: few long requests still fill the GPU;
-            partial (acc, max, sum) per split, merged by _reduce_splits_kernel, or with
-            fused_merge by the split program that finishes last)
+            partial (acc, max, sum) per split, merged by _reduce_splits_kernel)
 
     positions  0 ......... full_hi*TILE_N ....... q_first ... q_last
                [ tiles seen whole by every row ][ causal tiles, masked ]
@@ -28,20 +27,14 @@ int64 offsets). FP8 caches are dequantized in the kernel: e4m3 converts exactly 
 K's scale folds into the score scale, V's into the output.
 
 Variants (``AttentionConfig`` fields, all off in the baseline config; ``pick_config`` turns
-on the ones the H200 sweep in ``bench_kernels --variants`` measured faster, per regime:
+on the ones the H200 sweep in ``bench kernels --variants`` measured faster, per regime:
 decode gets offsets32 + reduce_block + pdl, with an fp8 cache also fp8_pairs + maxnreg 128 +
-programs_per_sm 4; prefill q_fold 2 + offsets32 (and its own tile shapes); lazy_rescale,
-v_early and fused_merge are opt-in only)::
+programs_per_sm 4; prefill q_fold 2 + offsets32 (and its own tile shapes))::
 
-    q_fold        0: scores scaled per tile; 1: softmax scale * log2(e) folded into q in the
-                  kernel; 2: folded by the launcher (one elementwise op; q then feeds the MMA as
-                  loaded), or by the caller (``q_scaled``: the engine's rotary kernel)
-    lazy_rescale  rescale the output accumulator only when a row's max grows by > 2^8
+    q_fold        0: scores scaled per tile; 2: softmax scale * log2(e) folded into q by the
+                  launcher (one elementwise op; q then feeds the MMA as loaded), or by the caller
+                  (``q_scaled``: the engine's rotary kernel)
     offsets32     int32 K/V offsets when the cache is small enough (the launcher checks; else int64)
-    v_early       fp8: upcast V in the load layout and stage fp16 for the MMA (otherwise the
-                  compiler reads 8-bit V from shared memory byte by byte, then upcasts)
-    fused_merge   context splits merged by the last split program to finish (atomic counter
-                  per (q tile, KV head)) instead of a second kernel launch
     maxnreg       > 0: register cap per thread, so more programs fit on an SM
     fp8_pairs     fp8 cache read as int16 words of two e4m3 values, converted with bit moves
                   into even / odd head_dim columns (``_attend_tiles_pairs``): the MMA operands are
@@ -85,7 +78,6 @@ LOG2E_C = tl.constexpr(LOG2E)
 
 
 MERGE_SERIAL_MAX = tl.constexpr(8)  # split merge: up to this many splits read one by one, past it in blocks
-LAZY_TAU = tl.constexpr(8.0)  # lazy rescale: a row's reference max moves only when it grows by > 2^8
 
 
 @triton.jit
@@ -145,7 +137,7 @@ def _softmax_step(s, m_i, m_new, l_i, qk_scale, SCALE_S: tl.constexpr):
 @triton.jit
 def _attend_tiles(
     acc,  # [BLOCK_M, D_PAD] float32
-    m_i,  # [BLOCK_M] float32, running (reference) max, log2 domain
+    m_i,  # [BLOCK_M] float32, running max, log2 domain
     l_i,  # [BLOCK_M] float32, running sum
     q,  # [BLOCK_M, D_PAD] DOT_DTYPE
     k_base,  # pointer to this KV head in K cache [NB, BS, Hkv, D]
@@ -170,9 +162,7 @@ def _attend_tiles(
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
     SCALE_S: tl.constexpr,
-    LAZY: tl.constexpr,
     OFF32: tl.constexpr,
-    V_EARLY: tl.constexpr,
 ):
     """Online-softmax over KV tiles [tile_lo, tile_hi); MASK applies causal/length/window masks."""
     offs_n = tl.arange(0, TILE_N)
@@ -191,26 +181,11 @@ def _attend_tiles(
         m_tile = tl.max(s, axis=1)
         if SCALE_S:  # the scale is positive: max first, the scores scale inside the exp2 (one FMA)
             m_tile = m_tile * qk_scale
-        if LAZY:  # p stays <= 2^LAZY_TAU; the accumulator is rescaled only on the tiles where a max jumps
-            grow = m_tile > m_i + LAZY_TAU
-            m_new = tl.where(grow, m_tile, m_i)
-        else:
-            m_new = tl.maximum(m_i, m_tile)
+        m_new = tl.maximum(m_i, m_tile)
         p, alpha, l_i = _softmax_step(s, m_i, m_new, l_i, qk_scale, SCALE_S)
         v_ptrs = v_base + v_off[:, None] + offs_d[None, :]  # [TILE_N, D_PAD]
         v = _load_tile(v_ptrs, kmask[:, None], dmask[None, :], MASK, PADDED)
-        if V_EARLY:
-            # Upcast in the load layout, then stage 16-bit values for the MMA's transposed read.
-            # The split/join (a no-op on values) keeps the compiler from moving the upcast after
-            # the shared-memory read, where 8-bit V is gathered byte by byte.
-            va, vb = tl.split(tl.reshape(v.to(DOT_DTYPE), [TILE_N, D_PAD // 2, 2]))
-            v = tl.reshape(tl.join(va, vb), [TILE_N, D_PAD])
-        if LAZY:
-            if tl.max(grow.to(tl.int32), axis=0) > 0:
-                acc = acc * alpha[:, None]
-            acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=PRECISION)
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision=PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -341,8 +316,6 @@ def _paged_attention_kernel(
     qsl_ptr,  # int32 [num_seqs + 1]
     k_scale_ptr,  # float32 [1]
     v_scale_ptr,  # float32 [1]
-    sem_ptr,  # int32 [>= grid axis 0] zeros: split arrival counters (FUSED_MERGE only)
-    final_ptr,  # [T, H, D] the output, written by the merging program (FUSED_MERGE only)
     sm_scale,  # softmax scale
     num_kv_heads,
     num_seqs,
@@ -362,8 +335,6 @@ def _paged_attention_kernel(
     stride_mt,  # token stride of m/l (SPLIT only)
     stride_ms,  # split stride of m/l (SPLIT only)
     stride_bt,
-    stride_ft,  # token / head strides of final_ptr (FUSED_MERGE only)
-    stride_fh,
     G: tl.constexpr,  # query heads per KV head
     BLOCK_M: tl.constexpr,
     BLOCK_Q: tl.constexpr,  # BLOCK_M // G query tokens per tile
@@ -377,11 +348,8 @@ def _paged_attention_kernel(
     DECODE_ONLY: tl.constexpr,  # every request has <= 1 new token: no search, grid axis 0 = requests
     DOT_DTYPE: tl.constexpr,
     PRECISION: tl.constexpr,
-    Q_FOLD: tl.constexpr = 0,  # 0: scores scaled per tile; 1: scale folded into q here; 2: by the launcher
-    LAZY: tl.constexpr = False,
+    Q_FOLD: tl.constexpr = 0,  # 0: scores scaled per tile; 2: q carries the scale (the launcher or the caller)
     OFF32: tl.constexpr = False,  # int32 K/V offsets (the launcher checked the cache's extent)
-    V_EARLY: tl.constexpr = False,
-    FUSED_MERGE: tl.constexpr = False,
     PAIRS: tl.constexpr = False,  # fp8 cache read as int16 pairs (_attend_tiles_pairs); k/v pointers are int16
     PAIRS_ASM: tl.constexpr = False,  # PAIRS: convert with inline PTX (not in the interpreter)
     PDL: tl.constexpr = False,  # the split-merge kernel is launched as a programmatic dependent
@@ -437,8 +405,6 @@ def _paged_attention_kernel(
             q = q.to(DOT_DTYPE)
             scale = sm_scale * LOG2E_C
     else:  # q carries softmax scale * log2(e): scores come out of the dot in the log2 domain
-        if Q_FOLD == 1:
-            q = q.to(tl.float32) * (sm_scale * LOG2E_C)
         q = q.to(DOT_DTYPE)
         scale = tl.load(k_scale_ptr) if FP8 else 1.0
     SCALE_S: tl.constexpr = FP8 or Q_FOLD == 0
@@ -487,14 +453,12 @@ def _paged_attention_kernel(
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, t0, full_hi,
             stride_kb, stride_ks, stride_vb, stride_vs,
-            False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, LAZY,
-            OFF32, V_EARLY,
+            False, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, OFF32,
         )  # fmt: skip
         acc, m_i, l_i = _attend_tiles(
             acc, m_i, l_i, q, k_base, v_base, bt_row, qpos, seq_len, window, scale, full_hi, t1,
             stride_kb, stride_ks, stride_vb, stride_vs,
-            True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, LAZY,
-            OFF32, V_EARLY,
+            True, SLIDING, TILE_N, BLOCK_SIZE, HEAD_DIM, D_PAD, DOT_DTYPE, PRECISION, SCALE_S, OFF32,
         )  # fmt: skip
 
     if FP8:
@@ -506,29 +470,6 @@ def _paged_attention_kernel(
         ml_off = split.to(tl.int64) * stride_ms + t_idx * stride_mt + head
         tl.store(m_ptr + ml_off, m_i, mask=row_ok)
         tl.store(l_ptr + ml_off, l_i, mask=row_ok)
-        if FUSED_MERGE:  # the last split to arrive merges all of them (no second launch)
-            tl.debug_barrier()  # every thread's partial stores precede the release below
-            counter = sem_ptr + tl.program_id(0)
-            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")  # one thread; result broadcast
-            if arrived == num_splits - 1:
-                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")  # zero again for the next call
-                m_run = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-                l_run = tl.zeros([BLOCK_M], dtype=tl.float32)
-                o_acc = tl.zeros([BLOCK_M, D_PAD], dtype=tl.float32)
-                p_ptrs = out_ptr + o_off  # split 0; pointers step by the split strides (64-bit)
-                m_ptrs = m_ptr + (t_idx * stride_mt + head)
-                l_ptrs = l_ptr + (t_idx * stride_mt + head)
-                for _ in range(num_splits):  # .cg: other SMs wrote these, skip L1
-                    m_s = tl.load(m_ptrs, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-                    l_s = tl.load(l_ptrs, mask=row_ok, other=0.0, cache_modifier=".cg")
-                    part = tl.load(p_ptrs, mask=o_mask, other=0.0, cache_modifier=".cg")
-                    p_ptrs += stride_os
-                    m_ptrs += stride_ms
-                    l_ptrs += stride_ms
-                    o_acc, m_run, l_run = _merge_split(o_acc, m_run, l_run, part, m_s, l_s)
-                o = o_acc / tl.where(l_run == 0.0, 1.0, l_run)[:, None]
-                f_off = t_idx[:, None] * stride_ft + head[:, None].to(tl.int64) * stride_fh + offs_d[None, :]
-                tl.store(final_ptr + f_off, o.to(final_ptr.dtype.element_ty), mask=o_mask)
     else:
         l_safe = tl.where(l_i == 0.0, 1.0, l_i)
         out = acc / l_safe[:, None]
@@ -614,11 +555,8 @@ class AttentionConfig:
     tile_n: int  # KV positions per inner step, power of 2 >= 16
     num_warps: int
     num_stages: int
-    q_fold: int = 0  # 0 scores scaled per tile, 1 scale folded into q in the kernel, 2 by the launcher
-    lazy_rescale: bool = False
+    q_fold: int = 0  # 0 scores scaled per tile, 2 softmax scale folded into q by the launcher
     offsets32: bool = False  # int32 K/V offsets when every offset fits (checked per call)
-    v_early: bool = False  # fp8 caches: upcast V before its shared-memory staging
-    fused_merge: bool = False  # context splits merged in-kernel by the last split (atomic counter)
     maxnreg: int = 0  # > 0: cap registers per thread (more programs per SM; may spill)
     fp8_pairs: bool = False  # fp8 caches: read K/V as int16 pairs (even head_dim, 16-bit queries)
     reduce_block: int = 0  # > 0: past 8 splits the split-merge kernel loads this many at once (else one by one)
@@ -673,10 +611,10 @@ def pick_config(
       dependent (2026-11-30: 1.15x at 1 x 32k and 1.21x at 1 x 4k bf16, 33 / 16 splits;
       the one-by-one loop paid a memory round trip per split; at 4 splits the blocks cost
       2-3%, hence serial up to 8).
-    - decode, 16-bit cache: the in-kernel merge (``fused_merge``, the 2026-11-29 sweep's pick
-      from 64 programs) is no longer used: the merge kernel as a programmatic dependent was
-      1.5% faster at 8 x 4k and equal at 8 x 32k (2026-11-30), and 5-24% faster with few
-      programs.
+    - decode, 16-bit cache: the splits stay merged by the second kernel: as a programmatic
+      dependent it was 1.5% faster than merging in the attention kernel (the last split
+      program to finish merging, behind an atomic counter) at 8 x 4k, equal at 8 x 32k
+      (2026-11-30), and 5-24% faster with few programs.
     - decode, fp8 cache, 16-bit q: ``fp8_pairs`` (2026-11-29: 1.17-1.43x the fp8 baseline
       over 11 cells) with a 128-register cap (head_dim 128 takes 154 registers, 3 programs per
       SM; capped, 4) and context splits aimed at 4 programs per SM (``programs_per_sm``): at
@@ -737,37 +675,6 @@ def pick_config(
 
 
 _DEVICE_FACTS: dict[tuple[str, int], object] = {}  # (fact, CUDA device index) -> value, looked up once
-_SEMAPHORES: dict[torch.device, torch.Tensor] = {}
-_SEMAPHORES_OLD: list[torch.Tensor] = []  # outgrown buffers stay alive: captured CUDA graphs may use them
-
-
-def _capturing(device: torch.device) -> bool:
-    """A CUDA graph is being captured on the current stream of ``device``."""
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def _split_semaphores(device: torch.device, n: int) -> torch.Tensor | None:
-    """Zeroed int32 arrival counters, >= n, shared by all launches on ``device``.
-
-    The last split program of each (q tile, KV head) resets its counter, so they are zero
-    again whenever a launch has finished (calls on one stream at a time). CUDA graphs: the
-    buffer is allocated by an eager call, e.g. the warm-up run before a capture
-    (``cuda_graphs.py`` runs every batch size twice before capturing it), and a captured
-    launch only bakes in its address; replays find the counters zero. During a capture with
-    no buffer large enough this returns None and the caller uses the reduce kernel instead:
-    a buffer allocated inside a capture would come from the graph's pool and would not be
-    zeroed until the first replay. Outgrown buffers are kept alive for graphs that use them.
-    """
-    buf = _SEMAPHORES.get(device)
-    if buf is not None and buf.numel() >= n:
-        return buf
-    if _capturing(device):
-        return None
-    if buf is not None:
-        _SEMAPHORES_OLD.append(buf)
-    buf = torch.zeros(max(1024, next_pow2(n)), dtype=torch.int32, device=device)
-    _SEMAPHORES[device] = buf
-    return buf
 
 
 def _device_fact(name: str, device: torch.device, compute):
@@ -861,7 +768,7 @@ def launch_plan(
                                 smem_budget=smem_budget)
     if cfg.block_m < group or cfg.block_m < 16 or cfg.tile_n < 16:
         raise ValueError(f"bad attention config {cfg} for {group} query heads per KV head")
-    if cfg.q_fold not in (0, 1, 2) or cfg.maxnreg < 0 or cfg.programs_per_sm < 1 or (cfg.fp8_pairs and cfg.lazy_rescale):
+    if cfg.q_fold not in (0, 2) or cfg.maxnreg < 0 or cfg.programs_per_sm < 1:
         raise ValueError(f"bad attention config {cfg}")
     block_q = cfg.block_m // group
     decode_only = max_query_len <= 1
@@ -992,10 +899,6 @@ def paged_attention(
     if pairs:  # the kernel reads two e4m3 values per int16 word; offsets count words
         kc, vc = kc.view(torch.int16), vc.view(torch.int16)
     split = num_splits > 1
-    sem = _split_semaphores(device, grid_q * hkv) if split and cfg.fused_merge else None
-    fused = sem is not None
-    if not fused:
-        sem = block_tables  # unused
     if split:
         # compile_only: small stand-ins (the compile needs the dtypes and the strides below only)
         ns, nt = (1, 1) if compile_only else (num_splits, t)
@@ -1011,7 +914,7 @@ def paged_attention(
     dot_dt = dot_dtype(torch.float16 if fp8 and query.dtype != torch.float32 else query.dtype)
     precision = "ieee" if query.dtype == torch.float32 or interpreting() else "tf32"
     opts = {"maxnreg": cfg.maxnreg} if cfg.maxnreg and not interpreting() else {}
-    pdl = cfg.pdl and split and not fused and not interpreting() and _has_pdl(device)
+    pdl = cfg.pdl and split and not interpreting() and _has_pdl(device)
     off32 = cfg.offsets32 and _fits_int32(kc) and _fits_int32(vc)
     q_in = query
     q_fold = 2 if q_scaled else cfg.q_fold
@@ -1024,21 +927,20 @@ def paged_attention(
         return functools.partial(kernel.warmup, grid=grid) if compile_only else kernel[grid]
 
     launch(_paged_attention_kernel, (grid_q * hkv, num_splits))(
-        q_in, kc, vc, dst, m_buf, l_buf, block_tables, seq_lens, query_start_loc, ks, vs, sem, out,
+        q_in, kc, vc, dst, m_buf, l_buf, block_tables, seq_lens, query_start_loc, ks, vs,
         float(scale), hkv, num_seqs, num_splits, int(sliding_window or 0),
         q_in.stride(0), q_in.stride(1),
         kc.stride(0), kc.stride(1), kc.stride(2),
         vc.stride(0), vc.stride(1), vc.stride(2),
         o_st, o_sh, o_ss, m_st, m_ss,
-        block_tables.stride(0), out.stride(0), out.stride(1),
+        block_tables.stride(0),
         G=group, BLOCK_M=cfg.block_m, BLOCK_Q=block_q, TILE_N=cfg.tile_n, BLOCK_SIZE=bs,
         HEAD_DIM=d, D_PAD=next_pow2(d), FP8=fp8, SLIDING=sliding_window is not None, SPLIT=split,
         DECODE_ONLY=decode_only, DOT_DTYPE=dot_dt, PRECISION=precision,
-        Q_FOLD=q_fold, LAZY=cfg.lazy_rescale, OFF32=off32, V_EARLY=cfg.v_early and fp8, FUSED_MERGE=fused,
-        PAIRS=pairs, PAIRS_ASM=pairs and not interpreting(), PDL=pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages, **opts,
+        Q_FOLD=q_fold, OFF32=off32, PAIRS=pairs, PAIRS_ASM=pairs and not interpreting(), PDL=pdl,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts,
     )  # fmt: skip
-    if split and not fused:
+    if split:
         block_h = next_pow2(h) if interpreting() else 1  # the interpreter pays per program
         launch(_reduce_splits_kernel, (t, triton.cdiv(h, block_h)))(
             part, m_buf, l_buf, out, query_start_loc, num_seqs, num_splits, h,

@@ -64,9 +64,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_parser(bsub)
     add_peer_parser(bsub)
     add_serve_parser(bsub)
+    # its own parser takes every argument after it (--help too)
     k = bsub.add_parser("kernels", help="check, then time the Triton kernels (CUDA)", add_help=False)
-    k.add_argument("rest", nargs=argparse.REMAINDER)
-    k.set_defaults(func=_cmd_bench_kernels)
+    k.set_defaults(func=_cmd_bench_kernels, passthrough=True)
     return p
 
 
@@ -79,7 +79,12 @@ def _cmd_bench_kernels(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(asctime)s %(name)s: %(message)s",
                         datefmt="%H:%M:%S")
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

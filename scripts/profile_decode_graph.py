@@ -13,7 +13,8 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from paged_backend.benchmarks.throughput import random_prompts, write_shape_config
+from paged_backend.benchmarks.model_shapes import write_shape_config
+from paged_backend.benchmarks.throughput import random_prompts
 from paged_backend.engine.llm import LLM
 from paged_backend.sampling_params import SamplingParams
 

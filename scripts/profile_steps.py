@@ -29,7 +29,8 @@ from typing import Any
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from paged_backend.benchmarks.throughput import random_prompts, write_shape_config
+from paged_backend.benchmarks.model_shapes import write_shape_config
+from paged_backend.benchmarks.throughput import random_prompts
 from paged_backend.engine.llm import LLM
 from paged_backend.sampling_params import SamplingParams
 
@@ -61,6 +62,58 @@ def gpu_busy_idle(trace_path: str) -> tuple[float, float, int]:
     return busy / 1e3, (span - busy) / 1e3, len(spans)
 
 
+def _timed(cur: dict[str, float], phase: str, fn):
+    """``fn`` adding its wall time to ``cur[phase]``."""
+    def wrapper(*a, **kw):
+        t = time.perf_counter()
+        try:
+            return fn(*a, **kw)
+        finally:
+            cur[phase] += time.perf_counter() - t
+    return wrapper
+
+
+def _wrap_phases(eng, cur: dict[str, float]) -> dict[str, Any]:
+    """Times the engine's step phases into ``cur`` (the wait for the sampled ids apart from
+    finish; rows and tokens of the step's batch too); returns the originals for ``_unwrap``."""
+    orig = {"schedule": eng.scheduler.schedule, "execute": eng.runner.execute, "finish": eng._finish,
+            "launch": eng._launch_sampling, "step": eng.step}
+
+    def finish(launched):
+        if launched.event is not None:
+            t = time.perf_counter()
+            launched.event.synchronize()
+            cur["wait"] += time.perf_counter() - t
+        return _timed(cur, "finish", orig["finish"])(launched)
+
+    def execute(sched, *a, **kw):
+        cur["rows"] = len(sched.scheduled)
+        cur["tokens"] = sum(s.num_new_tokens for s in sched.scheduled)
+        return _timed(cur, "runner", orig["execute"])(sched, *a, **kw)
+
+    eng.scheduler.schedule = _timed(cur, "schedule", orig["schedule"])
+    eng.runner.execute, eng._finish = execute, finish
+    eng._launch_sampling = _timed(cur, "sample", orig["launch"])
+    return orig
+
+
+def _unwrap(eng, orig: dict[str, Any]) -> None:
+    eng.scheduler.schedule, eng.runner.execute = orig["schedule"], orig["execute"]
+    eng._finish, eng._launch_sampling, eng.step = orig["finish"], orig["launch"], orig["step"]
+
+
+def _summarize(n: int, steps: list[dict[str, float]], trace: str) -> dict[str, Any]:
+    """The row of N: median phase times over the full decode steps, GPU busy / idle per traced step."""
+    busy, idle, kernels = gpu_busy_idle(trace)
+    traced = [s for s in steps if s["traced"]]
+    med = {p: statistics.median(s.get(p, 0.0) for s in steps) * 1e3 for p in (*PHASES, "step")}
+    host = statistics.median(sum(s.get(p, 0.0) for p in PHASES if p != "wait") for s in steps) * 1e3
+    return dict(running=n, steps=len(steps), step_ms=med["step"], host_ms=host,
+                **{f"{p}_ms": med[p] for p in PHASES},
+                traced_steps=len(traced), gpu_busy_ms=busy / len(traced), gpu_idle_ms=idle / len(traced),
+                gpu_idle_pct=100 * idle / (busy + idle) if busy + idle else 0.0, kernels_per_step=kernels / len(traced))
+
+
 def measure(llm: LLM, n: int, args: argparse.Namespace) -> dict[str, Any]:
     eng = llm.engine
     prompts = random_prompts(n, args.input_len, eng.info.vocab_size, seed=10 + n)
@@ -68,39 +121,12 @@ def measure(llm: LLM, n: int, args: argparse.Namespace) -> dict[str, Any]:
                         detokenize=False, temperature=args.temperature)
     cur: dict[str, float] = defaultdict(float)
     steps: list[dict[str, float]] = []
-    orig = {"schedule": eng.scheduler.schedule, "execute": eng.runner.execute, "finish": eng._finish,
-            "launch": eng._launch_sampling, "step": eng.step}
-
-    def timed(phase: str, fn):
-        def wrapper(*a, **kw):
-            t = time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                cur[phase] += time.perf_counter() - t
-        return wrapper
-
-    def finish(launched):
-        if launched.event is not None:
-            t = time.perf_counter()
-            launched.event.synchronize()
-            cur["wait"] += time.perf_counter() - t
-        t = time.perf_counter()
-        try:
-            return orig["finish"](launched)
-        finally:
-            cur["finish"] += time.perf_counter() - t
-
-    def execute(sched, *a, **kw):
-        cur["rows"] = len(sched.scheduled)
-        cur["tokens"] = sum(s.num_new_tokens for s in sched.scheduled)
-        return timed("runner", orig["execute"])(sched, *a, **kw)
-
     window = (args.skip_steps, args.skip_steps + args.trace_steps)
     trace = tempfile.mktemp(suffix=".json")
     prof = profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU])
     decode_seen = 0
     tracing = False
+    orig = _wrap_phases(eng, cur)
 
     def step():
         nonlocal decode_seen, tracing
@@ -122,26 +148,16 @@ def measure(llm: LLM, n: int, args: argparse.Namespace) -> dict[str, Any]:
             steps.append(dict(cur, traced=float(window[0] < decode_seen <= window[1])))
         return out
 
-    eng.scheduler.schedule = timed("schedule", orig["schedule"])
-    eng.runner.execute, eng._finish = execute, finish
-    eng._launch_sampling = timed("sample", orig["launch"])
     eng.step = step
     try:
         llm.generate(prompts, sp, use_tqdm=False)
     finally:
-        eng.scheduler.schedule, eng.runner.execute = orig["schedule"], orig["execute"]
-        eng._finish, eng._launch_sampling, eng.step = orig["finish"], orig["launch"], orig["step"]
+        _unwrap(eng, orig)
     if decode_seen < window[1]:
         raise SystemExit(f"N={n}: only {decode_seen} full decode steps, fewer than the trace window {window}")
-    busy, idle, kernels = gpu_busy_idle(trace)
+    row = _summarize(n, steps, trace)
     os.unlink(trace)
-    traced = [s for s in steps if s["traced"]]
-    med = {p: statistics.median(s.get(p, 0.0) for s in steps) * 1e3 for p in (*PHASES, "step")}
-    host = statistics.median(sum(s.get(p, 0.0) for p in PHASES if p != "wait") for s in steps) * 1e3
-    return dict(running=n, steps=len(steps), step_ms=med["step"], host_ms=host,
-                **{f"{p}_ms": med[p] for p in PHASES},
-                traced_steps=len(traced), gpu_busy_ms=busy / len(traced), gpu_idle_ms=idle / len(traced),
-                gpu_idle_pct=100 * idle / (busy + idle) if busy + idle else 0.0, kernels_per_step=kernels / len(traced))
+    return row
 
 
 def main() -> None:

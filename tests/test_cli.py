@@ -35,3 +35,18 @@ def test_bench_throughput_reports_low_kv_waste(tmp_path):
     assert 0 < row["peak_kv_usage"] <= 1
     # only the last partial block of each request may be empty
     assert row["kv_waste"] < 0.04
+
+
+def test_bench_kernels_passes_every_argument_to_its_own_parser(capsys):
+    """``bench kernels`` hands what follows it to the kernel benchmark's parser (``--help`` too);
+    any other subcommand still refuses an argument it does not know."""
+    from paged_backend.cli import main
+
+    with pytest.raises(SystemExit) as done:
+        main(["bench", "kernels", "--help"])
+    assert done.value.code == 0
+    assert "usage: paged-backend bench kernels" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        main(["generate", "hello", "--no-such-flag"])
+    assert refused.value.code == 2
+    assert "unrecognized arguments: --no-such-flag" in capsys.readouterr().err

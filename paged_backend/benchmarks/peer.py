@@ -19,8 +19,9 @@ Every kernel is checked against a torch reference before it is timed (attention:
 ``paged_attention_ref``, for fp8 on the e4m3-rounded q FA3 gets; int4: x times the kernel's
 own dequantized weight), then timed as CUDA-graph replays of back-to-back calls over rotating
 inputs (disjoint block tables, input or weight copies: L2 cannot serve a rerun, no host launch
-time). Needs vLLM importable (``../shared/peers/vllm``: the bundle it unpacks has vLLM 0.26 for
-torch 2.11 / cu130).
+time). Needs vLLM importable in the same environment: ``pip install vllm==0.26.*`` (built for
+torch 2.11 / cu130), or a directory holding its unpacked wheels on ``PYTHONPATH``
+(``scripts/bench_peer.sh`` can unpack a tarball of them).
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ import math
 import sys
 import time
 
-from paged_backend.benchmarks.kernels import GIB, Bench, Row, copies_to_touch, parse_ints
+from paged_backend.benchmarks.kernel_bench import Bench
+from paged_backend.benchmarks.results import Row, parse_ints, run_header
+from paged_backend.benchmarks.timing import GIB, copies_to_touch
 
 PEER_TOL = 2e-2  # relative error against the reference
 PEER_TOL_FP8 = 5e-2  # FA3 with fp8 KV also rounds P to e4m3 for the PV product (~2.4e-2 measured)
@@ -85,7 +88,7 @@ class PeerBench(Bench):
         batches, contexts = parse_ints(a.batches), parse_ints(a.contexts)
         max_blocks = max(b * math.ceil(c / a.block_size) for b in batches for c in contexts)
         for kind in ("bf16", "fp8"):
-            cache = self._cache(max_blocks + 1, kind == "fp8")
+            cache = self.kv_cache(max_blocks + 1, kind == "fp8")
             g = torch.Generator(device=self.dev).manual_seed(0)
             perm = torch.randperm(max_blocks, device=self.dev, generator=g) + 1
             for b in batches:
@@ -107,7 +110,7 @@ class PeerBench(Bench):
         one = torch.ones((), device=self.dev)
         kv_bytes = b * c * a.kv_heads * a.head_dim * 2 * cache.element_size()
         copies = max(1, min(copies_to_touch(kv_bytes, GIB, 16), len(perm) // (b * math.ceil(c / a.block_size))))
-        inputs = [self._decode_inputs(b, c, perm, i) for i in range(copies)]
+        inputs = [self.decode_inputs(b, c, perm, i) for i in range(copies)]
         io_bytes = 2 * inputs[0][0].numel() * inputs[0][0].element_size()
         kc, vc = cache[0], cache[1]
         descale = one.reshape(1, 1).expand(b, a.kv_heads) if fp8 else None
@@ -229,7 +232,7 @@ class PeerBench(Bench):
         )
         from vllm.scalar_type import scalar_types
 
-        from paged_backend.benchmarks.quant import copies_for, make_int4
+        from paged_backend.benchmarks.quant_weights import copies_for, make_int4
         from paged_backend.kernels.int4_gemm import int4_gemm
         from paged_backend.kernels.int4_gemm_ref import dequantize_int4_ref
 
@@ -302,13 +305,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         import vllm  # noqa: F401
     except ImportError as e:
-        print(f"bench peer needs vLLM importable (../shared/peers/vllm/README.md): {e}", file=sys.stderr)
+        print(f"bench peer needs vLLM importable ({e}): pip install vllm==0.26.* into this environment, "
+              f"or put a directory with its wheels unpacked on PYTHONPATH", file=sys.stderr)
         return 2
-    import triton
-
     bench = PeerBench(args)
-    print(f"device {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__} | "
-          f"vllm {vllm.__version__} | {time.strftime('%Y-%m-%d %H:%M:%S')}", flush=True)
+    print(run_header(torch.cuda.get_device_name(), before_date=(f"vllm {vllm.__version__}",)), flush=True)
     for g in args.only or ["decode", "prefill", "int4"]:
         t0 = time.time()
         getattr(bench, g)()

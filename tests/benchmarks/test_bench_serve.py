@@ -15,26 +15,17 @@ import time
 import numpy as np
 import pytest
 
-from paged_backend.benchmarks.serve import (
+from paged_backend.benchmarks.serve_client import StreamTracker, send_request, sse_lines
+from paged_backend.benchmarks.serve_report import compute_metrics, parse_goodput, peak_concurrency
+from paged_backend.benchmarks.serve_requests import (
     PromptStream,
     RequestResult,
     SampleRequest,
-    StreamTracker,
-    aggregate_interval,
     arrival_times,
-    compute_metrics,
-    format_interval_row,
-    format_rss_summary,
-    metrics_rss,
-    parse_goodput,
-    peak_concurrency,
-    process_tree_rss,
-    rss_flatness,
-    run_soak,
     sample_random_requests,
-    send_request,
-    sse_lines,
 )
+from paged_backend.benchmarks.serve_rss import format_rss_summary, metrics_rss, process_tree_rss, rss_flatness
+from paged_backend.benchmarks.serve_soak import aggregate_interval, format_interval_row, run_soak
 from paged_backend.cli import main
 
 ENGINE_ARGS = {"model": "SmolLM2-135M-Instruct", "dtype": "float32", "device": "cpu", "max_model_len": 512,

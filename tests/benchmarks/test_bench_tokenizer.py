@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from tokenizers.decoders import DecodeStream
 
-from paged_backend.benchmarks.throughput import MODEL_SHAPES, pad_tokenizer, write_shape_config
+from paged_backend.benchmarks.model_shapes import MODEL_SHAPES, pad_tokenizer, write_shape_config
 
 W1_VOCAB = MODEL_SHAPES["llama-3.2-1b"]["vocab_size"]  # 128256
 TEXTS = [

@@ -20,7 +20,8 @@ from paged_backend.kernels.cache_write_ref import FP8_DTYPE, quantize_fp8  # noq
 from paged_backend.kernels.paged_attention import AttentionConfig, paged_attention  # noqa: E402
 from paged_backend.kernels.paged_attention_ref import paged_attention_ref  # noqa: E402
 
-CUDA = torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET", "0") in ("", "0")
+INTERPRET = os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+CUDA = torch.cuda.is_available() and not INTERPRET
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 BIG = 16 if CUDA else 1  # context lengths scale up on the GPU
 # ||out - ref|| / ||ref|| and elementwise (atol, rtol) per output dtype
@@ -213,15 +214,11 @@ def test_tile_configs(config, block_size):
 
 
 VARIANTS = {  # AttentionConfig overrides of the code-path variants (module docstring)
-    "fold_kernel": dict(q_fold=1),
     "fold_launcher": dict(q_fold=2),
-    "lazy": dict(lazy_rescale=True),
     "off32": dict(offsets32=True),
-    "v_early": dict(v_early=True),
-    "fused": dict(fused_merge=True),
-    "all": dict(q_fold=2, lazy_rescale=True, offsets32=True, v_early=True, fused_merge=True, maxnreg=128),
+    "all": dict(q_fold=2, offsets32=True, maxnreg=128),
     "pairs": dict(fp8_pairs=True),
-    "pairs_all": dict(fp8_pairs=True, q_fold=2, offsets32=True, fused_merge=True),
+    "pairs_all": dict(fp8_pairs=True, q_fold=2, offsets32=True),
     "reduce_block": dict(reduce_block=2),  # splits merged two at a time (a chunk with one split absent)
     "reduce_block_pdl": dict(reduce_block=64, pdl=True),  # programmatic dependent launch on CUDA
 }
@@ -232,7 +229,7 @@ VARIANTS = {  # AttentionConfig overrides of the code-path variants (module docs
     "heads,kv_heads,head_dim,block_size,dtype,fp8,num_splits",
     [
         (9, 3, 64, 16, torch.bfloat16, False, 1),
-        (8, 2, 128, 32, torch.float32, False, 3),  # context splits: fused merge or the reduce kernel
+        (8, 2, 128, 32, torch.float32, False, 3),  # context splits, merged by the reduce kernel
         (6, 2, 80, 64, torch.float16, False, 2),  # head_dim padded to 128
         (8, 2, 64, 16, torch.bfloat16, True, 3),  # fp8 cache with scales
     ],
@@ -248,31 +245,6 @@ def test_variants_match_reference(variant, heads, kv_heads, head_dim, block_size
                           **VARIANTS[variant])
     out, ref = run_both(q, kv, bt, sl, qsl, head_dim**-0.5, ks, vs, num_splits=num_splits, config=cfg)
     check(out, ref, dtype)
-
-
-@pytest.mark.parametrize("window", [None, 20])
-def test_lazy_rescale_peaky_scores(window):
-    """Scores spread wide enough (log2 std ~9) that row maxima jump by more than 2^8 after the
-    first KV tile: the lazy path's rescale runs mid-sequence and is skipped on other tiles."""
-    reqs = scaled([(150, 1), (0, 40), (70, 25)])
-    q, kv, bt, sl, qsl = make_batch(reqs, 4, 2, 64, 16, torch.float32, seed=12)
-    scale = 0.4
-    # the input does what the test claims: some row's running max grows by > 8 (log2) at a later tile
-    jumps = []
-    for i in range(len(reqs)):
-        n = int(sl[i])
-        pos = torch.arange(n)
-        keys = kv[0][bt[i, pos // 16].long().cpu(), pos % 16].float().cpu()  # [n, Hkv, D]
-        rows = q[int(qsl[i]) : int(qsl[i + 1])].float().cpu()  # [Q, H, D]
-        s = torch.einsum("qhd,nhd->qhn", rows, keys.repeat_interleave(2, dim=1)) * scale * 1.4427
-        tile_max = s[..., : n // 16 * 16].unflatten(-1, (-1, 16)).amax(-1)  # [Q, H, tiles]
-        jumps.append((tile_max[..., 1:] - tile_max[..., :1].expand_as(tile_max[..., 1:])).flatten())
-    jumps = torch.cat(jumps)
-    assert (jumps > 8).any() and (jumps <= 8).any()
-    for lazy in (False, True):
-        cfg = AttentionConfig(block_m=16, tile_n=16, num_warps=4, num_stages=2, lazy_rescale=lazy)
-        out, ref = run_both(q, kv, bt, sl, qsl, scale, window=window, num_splits=1, config=cfg)
-        check(out, ref, torch.float32)
 
 
 @pytest.mark.parametrize("num_splits,block", [(9, 64), (21, 4), (8, 4)])
@@ -309,19 +281,6 @@ def test_num_splits_follow_the_occupancy():
     assert pa.launch_plan(8, 8, 1, 32768, 32, 8, 128, 2, 2, sms=132, config=cfg)[1] == 6
 
 
-def test_fused_merge_counters_reset():
-    """The last split program resets its arrival counter: back-to-back calls with other split
-    counts and grids still merge correctly, and the counters end at zero."""
-    reqs = scaled([(300, 1), (2, 1), (130, 1), (0, 9)])
-    q, kv, bt, sl, qsl = make_batch(reqs, 6, 2, 64, 16, torch.bfloat16, seed=13)
-    cfg = AttentionConfig(block_m=16, tile_n=32, num_warps=4, num_stages=2, fused_merge=True)
-    for num_splits in (4, 2, 7, 4):
-        out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=num_splits, config=cfg)
-        check(out, ref, torch.bfloat16)
-    sem = pa._SEMAPHORES[q.device]
-    assert sem.numel() >= 4 * 2 and int(sem.abs().sum()) == 0
-
-
 class _LaunchSpy:
     """Stands in for a Triton kernel in the launcher's module and counts its launches."""
 
@@ -341,22 +300,23 @@ def test_pick_config_regimes():
     """The measured winners per regime (module docstring, docs/BENCHMARKS.md "Variant sweep")."""
     base = pa.pick_config(1, 4, 128, baseline=True)
     assert (base.block_m, base.tile_n, base.num_warps, base.num_stages) == (16, 128, 4, 3)
-    assert not (base.fused_merge or base.offsets32 or base.q_fold or base.maxnreg or base.reduce_block or base.pdl)
+    assert not (base.offsets32 or base.q_fold or base.maxnreg or base.reduce_block or base.pdl or base.fp8_pairs)
     assert base.programs_per_sm == 2
     # decode: int32 offsets, merge kernel in blocks past 8 splits, launched programmatically dependent
     merge = dataclasses.replace(base, offsets32=True, reduce_block=pa.MERGE_BLOCK, pdl=True)
-    assert pa.pick_config(1, 4, 128, 2, 2) == merge  # bf16 cache (the fused merge is opt-in only)
+    assert pa.pick_config(1, 4, 128, 2, 2) == merge  # bf16 cache
     assert pa.pick_config(1, 3, 64, 2, 2) == merge
     fp8 = pa.pick_config(1, 4, 128, 1, 2)  # fp8 cache: int16 pairs, 128 registers, splits for 4 programs per SM
     assert fp8 == dataclasses.replace(merge, fp8_pairs=True, maxnreg=128, programs_per_sm=4)
     assert not pa.pick_config(1, 4, 128, 1, 4).fp8_pairs  # fp32 q
     assert not pa.pick_config(1, 4, 128, 1, 2, baseline=True).fp8_pairs
-    assert not pa.pick_config(1, 4, 128, 4, 4).fused_merge  # fp32
+    f32_decode = pa.pick_config(1, 4, 128, 4, 4)  # fp32: no variant flags
+    assert not (f32_decode.offsets32 or f32_decode.reduce_block or f32_decode.pdl or f32_decode.fp8_pairs)
     # prefill, bf16, KV extent up to 4k: 128-row q tiles, 32-position KV tiles, 5 stages, 128 registers
     for n, ctx in ((2048, None), (4096, None), (33, 4000), (17, None)):
         short = pa.pick_config(n, 4, 128, max_seq_len=ctx)
         assert (short.block_m, short.tile_n, short.num_warps, short.num_stages, short.maxnreg) == (128, 32, 8, 5, 128)
-        assert short.q_fold == 2 and short.offsets32 and not (short.fused_merge or short.lazy_rescale or short.pdl)
+        assert short.q_fold == 2 and short.offsets32 and not short.pdl
     # past 4k with more than 128 query rows: 256-row q tiles over 64-position KV tiles, 3 stages
     for n, ctx in ((8192, None), (4097, None), (33, 30_000), (512, 30_000)):
         big = pa.pick_config(n, 4, 128, max_seq_len=ctx)
@@ -400,19 +360,12 @@ def _busy_decode(seed: int, fp8: bool = False):
     return make_batch(reqs, 8, 4, 64, 16, torch.bfloat16, fp8=fp8, seed=seed)
 
 
-FUSED = dataclasses.replace(pa.pick_config(1, 2, 64), fused_merge=True)  # the opt-in in-kernel merge
-
-
-def test_fused_merge_skips_the_merge_kernel(monkeypatch):
-    """With ``fused_merge`` the last split program merges (no merge-kernel launch, counters back
-    at zero); the defaults launch the merge kernel, for bf16 and fp8 caches. All match the reference."""
+def test_splits_launch_the_merge_kernel(monkeypatch):
+    """Context splits are merged by a second kernel launch, for bf16 and fp8 caches; both match
+    the reference."""
     spy = _LaunchSpy(pa._reduce_splits_kernel)
     monkeypatch.setattr(pa, "_reduce_splits_kernel", spy)
     q, kv, bt, sl, qsl = _busy_decode(seed=16)
-    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=3, config=FUSED)
-    check(out, ref, torch.bfloat16)
-    assert spy.launches == 0
-    assert int(pa._SEMAPHORES[q.device].abs().sum()) == 0
     out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=3)
     check(out, ref, torch.bfloat16)
     assert spy.launches == 1
@@ -423,57 +376,27 @@ def test_fused_merge_skips_the_merge_kernel(monkeypatch):
     assert spy.launches == 2
 
 
-def test_fused_merge_during_graph_capture(monkeypatch):
-    """The CUDA-graph path, its host logic simulated: counters are never allocated inside a
-    capture. Before any eager call the captured launch falls back to the reduce kernel; after
-    one (the warm-up cuda_graphs.py runs before capturing) it reuses that buffer."""
-    spy = _LaunchSpy(pa._reduce_splits_kernel)
-    monkeypatch.setattr(pa, "_reduce_splits_kernel", spy)
-    monkeypatch.setattr(pa, "_SEMAPHORES", {})
-    capturing = {"on": True}
-    monkeypatch.setattr(pa, "_capturing", lambda device: capturing["on"])
-    q, kv, bt, sl, qsl = _busy_decode(seed=18)
-    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=4, config=FUSED)  # capture, no buffer yet
-    check(out, ref, torch.bfloat16)
-    assert spy.launches == 1 and not pa._SEMAPHORES
-    capturing["on"] = False  # warm-up: allocates
-    out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=4, config=FUSED)
-    check(out, ref, torch.bfloat16)
-    buf = pa._SEMAPHORES[q.device]
-    assert spy.launches == 1
-    capturing["on"] = True  # capture: the warm-up's buffer, fused
-    for _ in range(2):
-        out, ref = run_both(q, kv, bt, sl, qsl, 0.125, num_splits=4, config=FUSED)
-        check(out, ref, torch.bfloat16)
-    assert spy.launches == 1 and pa._SEMAPHORES[q.device] is buf and int(buf.abs().sum()) == 0
-    assert pa._split_semaphores(q.device, buf.numel() + 1) is None  # no growing inside a capture
-    assert pa._SEMAPHORES[q.device] is buf
-
-
-@pytest.mark.skipif(not CUDA, reason="CUDA graphs need a GPU")
-@pytest.mark.parametrize("batch,fp8,fused", [(16, False, False), (1, False, False), (16, True, False),
-                                             (16, False, True)])
-def test_cuda_graph_replay_default_decode(monkeypatch, batch, fp8, fused):
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET, reason="CUDA graphs need compiled kernels, not the Triton interpreter")
+@pytest.mark.parametrize("batch,fp8", [(16, False), (1, False), (16, True)])
+def test_cuda_graph_replay_default_decode(monkeypatch, batch, fp8):
     """As the engine does it (cuda_graphs.py): warm up twice on a side stream, capture the
     default launch, then replay on new inputs; every replay matches the reference. The
     defaults launch the merge kernel as a programmatic dependent inside the graph (one request:
-    16 splits, merged in blocks); the opt-in fused merge leaves its counters at zero."""
-    monkeypatch.setattr(pa, "_SEMAPHORES", {})
+    16 splits, merged in blocks)."""
     spy = _LaunchSpy(pa._reduce_splits_kernel)
     monkeypatch.setattr(pa, "_reduce_splits_kernel", spy)
     reqs = [(600 + 97 * i, 1) for i in range(batch)]  # 16 requests x 4 KV heads = 64 programs
     q, kv, bt, sl, qsl = make_batch(reqs, 8, 4, 128, 16, torch.bfloat16, fp8=fp8, seed=19)
     scales = (torch.tensor(0.5, device=DEVICE), torch.tensor(1.5, device=DEVICE)) if fp8 else (None, None)
     max_seq = 4096  # a bound, as the graphs capture with max_model_len
-    config = dataclasses.replace(pa.pick_config(1, 2, 128), fused_merge=True) if fused else None
     cfg, splits, _ = pa.launch_plan(batch, batch, 1, max_seq, 8, 4, 128, kv.element_size(), 2,
-                                    sms=pa.device_sms(q.device), config=config)
-    assert splits > (8 if batch == 1 else 1) and cfg.pdl and cfg.fused_merge == fused
+                                    sms=pa.device_sms(q.device))
+    assert splits > (8 if batch == 1 else 1) and cfg.pdl
     out = torch.empty_like(q)
 
     def step():
-        paged_attention(q, kv, bt, sl, qsl, 0.125, *scales, out=out, max_query_len=1, max_seq_len=max_seq,
-                        config=config)
+        paged_attention(q, kv, bt, sl, qsl, 0.125, *scales, out=out, max_query_len=1, max_seq_len=max_seq)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -484,7 +407,7 @@ def test_cuda_graph_replay_default_decode(monkeypatch, batch, fp8, fused):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step()
-    assert spy.launches == (0 if fused else 3)  # fused in the warm-up and in the capture
+    assert spy.launches == 3  # the warm-up's two and the capture's
     g = torch.Generator(device="cpu").manual_seed(20)
     for _ in range(3):
         q.copy_(torch.randn(q.shape, generator=g).to(q.dtype))
@@ -496,8 +419,6 @@ def test_cuda_graph_replay_default_decode(monkeypatch, batch, fp8, fused):
         ref = paged_attention_ref(q.cpu(), kv.cpu(), bt.cpu(), sl.cpu(), qsl.cpu(), 0.125,
                                   *(None if x is None else x.cpu() for x in scales))
         check(out, ref, torch.bfloat16)
-        if fused:
-            assert int(pa._SEMAPHORES[q.device].abs().sum()) == 0
 
 
 def test_offsets32_only_when_they_fit():
@@ -524,8 +445,8 @@ def test_bench_variants_are_valid_configs():
         names = [v.name for v in variants]
         assert names[0] == "default" and len(set(names)) == len(names)
     assert parse_cells("8x4096, 1x32768") == [(8, 4096), (1, 32768)]
-    assert [v.name for v in selected(DECODE_VARIANTS, "pairs fo32 t6,fused+")] == [
-        "default", "fused+o32", "pairs fo32 t64"]
+    assert [v.name for v in selected(DECODE_VARIANTS, "pairs o32 n,o32 n")] == [
+        "default", "o32 n32", "pairs o32 n32", "pairs o32 n64"]
     assert selected(PREFILL_VARIANTS, None) == PREFILL_VARIANTS
     q, kv, bt, sl, qsl = make_batch([(20, 1), (0, 5)], 8, 2, 64, 16, torch.bfloat16, seed=15)
     for variants, mql in ((DECODE_VARIANTS, 1), (PREFILL_VARIANTS, 64)):
@@ -657,6 +578,9 @@ def test_launcher_errors():
         paged_attention(q, kv[..., :32], bt, sl, qsl, 0.1)
     with pytest.raises(ValueError, match="sliding_window"):
         paged_attention(q, kv, bt, sl, qsl, 0.1, sliding_window=0)
+    bad = dataclasses.replace(pa.pick_config(1, 2, 64, 4, 4), q_fold=1)  # 0 or 2 only
+    with pytest.raises(ValueError, match="bad attention config"):
+        paged_attention(q, kv, bt, sl, qsl, 0.1, config=bad)
 
 
 def _not_specialized(kernel) -> set[str]:
@@ -725,7 +649,8 @@ def test_warmup_shapes_reach_every_step_variant(heads, kv_heads, head_dim, kv_el
     assert len(warmed) >= 4
 
 
-@pytest.mark.skipif(not CUDA, reason="compiles Triton kernels for the GPU")
+@pytest.mark.cuda
+@pytest.mark.skipif(INTERPRET, reason="compiles Triton kernels for the GPU, not the Triton interpreter")
 @pytest.mark.parametrize("fp8", [False, True])
 def test_warm_up_compiles_what_engine_steps_launch(fp8):
     """After ``warm_up`` for some engine limits, steps within them (decode, prefill, chunks over a

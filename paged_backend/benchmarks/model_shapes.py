@@ -1,0 +1,97 @@
+"""Random-weights model directories of real models' shapes (``--load-format dummy`` runs):
+``config.json`` by shape name, and optionally an HF tokenizer padded to the shape's vocabulary.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from typing import Any
+
+# model shapes by name (the shapes of docs/BENCHMARKS.md's W1 / W2 workloads)
+MODEL_SHAPES: dict[str, dict[str, Any]] = {
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+                         tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=8192),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
+                         tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=8192),
+}
+
+
+def write_shape_config(name: str, tokenizer_from: str | os.PathLike[str] | None = None) -> str:
+    """A model dir for ``--load-format dummy`` runs: config.json, and a tokenizer if asked for.
+
+    ``tokenizer_from`` is an HF tokenizer dir (byte-level BPE) copied in with its vocabulary
+    padded to the shapes' vocab size (:func:`pad_tokenizer`), so that text prompts work and
+    every sampled id detokenizes; without it the engine takes token-id prompts only.
+    """
+    d = tempfile.mkdtemp(prefix=f"pb_{name}_")
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+               attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
+               **MODEL_SHAPES[name])
+    with open(os.path.join(d, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    if tokenizer_from is not None:
+        pad_tokenizer(tokenizer_from, d, MODEL_SHAPES[name]["vocab_size"])
+    return d
+
+
+TOKENIZER_FILES = ("tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja", "chat_template.json")
+_PAD_PREFIX = "\u0120"  # byte-level BPE's character for the space byte
+
+
+def _pad_codes(taken: set[str], n: int) -> list[str]:
+    """``n`` strings 'Ġ' + lower-case letters (3 of them, then 4, ...) that are not in ``taken``."""
+    import itertools
+    import string
+
+    out: list[str] = []
+    if n <= 0:
+        return out
+    for length in itertools.count(3):
+        for letters in itertools.product(string.ascii_lowercase, repeat=length):
+            piece = _PAD_PREFIX + "".join(letters)
+            if piece not in taken:
+                out.append(piece)
+                if len(out) == n:
+                    return out
+    raise AssertionError("unreachable")
+
+
+def pad_tokenizer(src: str | os.PathLike[str], dst: str | os.PathLike[str], vocab_size: int) -> int:
+    """Copy the HF tokenizer in ``src`` to ``dst`` with ids up to ``vocab_size`` - 1 in its vocabulary.
+
+    A random-weights model of a real model's shapes samples any id below its vocab size;
+    a smaller tokenizer (SmolLM2's 49152 for Llama-3's 128256) pads its byte-level BPE
+    vocabulary with entries 'Ġ' + a letter code (ids the tokenizer has neither in its
+    vocabulary nor as added tokens). BPE merges only build strings that are already in the
+    vocabulary, so encoding any text gives the same ids as before, and each new id decodes
+    to a space and its letters. Copies tokenizer.json and the files in ``TOKENIZER_FILES``
+    that exist; returns the number of entries added.
+    """
+    import shutil
+    from pathlib import Path
+
+    src, dst = Path(src), Path(dst)
+    with open(src / "tokenizer.json", encoding="utf-8") as f:
+        spec = json.load(f)
+    model = spec.get("model") or {}
+    decoder = (spec.get("decoder") or {}).get("type")
+    if model.get("type") != "BPE" or decoder != "ByteLevel":
+        raise ValueError(f"{src}: only byte-level BPE tokenizers can be padded "
+                         f"(model {model.get('type')!r}, decoder {decoder!r})")
+    vocab: dict[str, int] = model["vocab"]
+    used = set(vocab.values()) | {int(t["id"]) for t in spec.get("added_tokens") or []}
+    if max(used) >= vocab_size:
+        raise ValueError(f"{src}: the tokenizer has id {max(used)}, not below vocab_size {vocab_size}")
+    free = [i for i in range(vocab_size) if i not in used]
+    vocab.update(zip(_pad_codes(set(vocab), len(free)), free, strict=True))
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if (src / name).is_file():
+            shutil.copyfile(src / name, dst / name)
+    with open(dst / "tokenizer.json", "w", encoding="utf-8") as f:
+        json.dump(spec, f, ensure_ascii=False)
+    return len(free)
