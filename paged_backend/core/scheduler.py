@@ -167,6 +167,8 @@ class Scheduler:
                     if victim.scheduled_step == step:
                         # never preempt what this step already computes: preempt req instead
                         victim = req
+                    elif running.index(victim) < i:  # one this loop passed over: req's index shifts
+                        i -= 1
                     self._preempt(victim, out)
                     if victim is req or kv.allocate_slots(req, num_new) is not None:
                         break

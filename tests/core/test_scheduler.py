@@ -308,3 +308,23 @@ def test_pending_last_token_is_not_scheduled_again() -> None:
         req.append_output_token(901)
         sim.sched.finish(req, RequestStatus.FINISHED_LENGTH)
     assert a.num_output_tokens == 2 and m.num_tokens == 8 and sim.kv.num_free_blocks == 10
+
+
+def test_preempting_a_request_passed_over_keeps_the_next_one_scheduled() -> None:
+    """A victim earlier in the running list (passed over this step) shifts the list: the requests
+    after the one that needed its block are still scheduled in the same step."""
+    sim = Sim(num_blocks=4)  # 3 usable blocks of 4 tokens
+    p = make("p", 3, first=100, arrival=3.0, max_tokens=1)
+    q = make("q", 4, first=200, arrival=1.0)
+    r = make("r", 3, first=300, arrival=2.0)
+    sim.add(p, q, r)
+    assert rows(sim.sched.schedule()) == [("p", 0, 3, [1], True), ("q", 0, 4, [2], True),
+                                          ("r", 0, 3, [3], True)]
+    p.num_pending = 1  # p's only output token is still on the device: nothing left to compute
+    q.append_output_token(900)
+    r.append_output_token(900)
+    out = sim.sched.schedule()
+    # q's 5th token needs a block: p (latest arrival, passed over) is preempted for it; r still runs
+    assert out.preempted == ["p"]
+    assert rows(out) == [("q", 4, 1, [2, 1], True), ("r", 3, 1, [3], True)]
+    assert sim.running == ["q", "r"] and [w.request_id for w in sim.sched.waiting] == ["p"]
