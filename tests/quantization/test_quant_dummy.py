@@ -10,6 +10,7 @@ import pytest
 import torch
 from model_fixtures import PagedCache, make_meta
 from paged_backend.kernels.int4_gemm_ref import dequantize_int4_ref
+from quant_fixtures import SHAPES
 
 from paged_backend.attention import get_attention_backend
 from paged_backend.models.layers import FusedLinear
@@ -20,10 +21,6 @@ from paged_backend.quantization.int4 import Int4LinearMethod, dummy_g_idx, int4_
 from paged_backend.worker.model_loader import load_model
 
 # every in_features a multiple of 128 (the default group size)
-SHAPES = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", hidden_size=128,
-              intermediate_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              head_dim=32, vocab_size=256, max_position_embeddings=512, rms_norm_eps=1e-5, rope_theta=10000.0,
-              tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
 METHODS = ["gptq", "awq", "compressed-tensors", "fp8"]
 
 

@@ -16,36 +16,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from model_fixtures import make_tiny_checkpoint
+from quant_fixtures import LINEARS, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
 
 from paged_backend.attention import get_attention_backend
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.quantization.fp8 import FP8_DTYPE, FP8_MAX, fake_quant_fp8
 from paged_backend.worker.model_loader import load_model
-
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-def _write_fp8(src: Path, dst: Path, per_channel: bool, scheme: str) -> dict[str, torch.Tensor]:
-    """Quantizes every decoder linear of ``src`` to e4m3 (lm_head stays dense); returns the tensors."""
-    tensors = load_file(src / "model.safetensors")
-    out = {}
-    for name, t in tensors.items():
-        if name.endswith(".weight") and any(f".{m}." in name for m in LINEARS):
-            amax = t.abs().amax(dim=1, keepdim=True) if per_channel else t.abs().amax()
-            scale = (amax.float() / FP8_MAX).clamp_min(1e-12)
-            out[name] = (t / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-            out[name.replace(".weight", ".weight_scale")] = scale if per_channel else scale.reshape(())
-            if scheme == "static":
-                out[name.replace(".weight", ".input_scale")] = torch.tensor(0.01 + 0.001 * len(out))
-        else:
-            out[name] = t
-    dst.mkdir(parents=True)
-    save_file(out, dst / "model.safetensors", metadata={"format": "pt"})
-    cfg = json.loads((src / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme}
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return out
 
 
 def _load(path: Path):
@@ -61,7 +38,7 @@ def tiny(tmp_path_factory) -> Path:
 @pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("scheme", ["dynamic", "static"])
 def test_fp8_layers_match_independent_dequantization(tiny, tmp_path, per_channel, scheme):
-    raw = _write_fp8(tiny, tmp_path / "fp8", per_channel, scheme)
+    raw = write_fp8_checkpoint(tiny, tmp_path / "fp8", per_channel, scheme)
     model = _load(tmp_path / "fp8")
     attn = model.model.layers[1].self_attn
     prefix = "model.layers.1.self_attn"
@@ -143,7 +120,7 @@ def test_fp8_block_wise_checkpoint(tiny, tmp_path):
     # the whole model against the dense checkpoint it came from, next to per-channel fp8 of the same
     # weights (this tiny random model is sensitive: ~13% logit error for both); inverted or misplaced
     # block scales would be far off
-    _write_fp8(tiny, tmp_path / "per_channel", per_channel=True, scheme="dynamic")
+    write_fp8_checkpoint(tiny, tmp_path / "per_channel", per_channel=True, scheme="dynamic")
     ids = torch.tensor([3, 17, 42, 9, 100])
     ref = _model_logits(_load(tiny), ids)
     err = {name: ((_model_logits(m, ids) - ref).norm() / ref.norm()).item()
@@ -185,7 +162,7 @@ def test_fp8_block_scale_shape_mismatch_is_named(tiny, tmp_path):
 
 
 def test_fp8_missing_weight_scale_is_named(tiny, tmp_path):
-    raw = _write_fp8(tiny, tmp_path / "fp8", per_channel=True, scheme="dynamic")
+    raw = write_fp8_checkpoint(tiny, tmp_path / "fp8", per_channel=True, scheme="dynamic")
     raw.pop("model.layers.0.mlp.up_proj.weight_scale")
     save_file(raw, tmp_path / "fp8" / "model.safetensors", metadata={"format": "pt"})
     with pytest.raises(ValueError, match=r"missing tensor\(s\) \['model\.layers\.0\.mlp\.up_proj\.weight_scale'\]"):

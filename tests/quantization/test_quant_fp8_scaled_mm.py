@@ -207,14 +207,14 @@ def test_cuda_layer_uses_scaled_mm_and_matches_the_cpu_layer(tmp_path):
     A different activation scheme (per token vs per tensor) changes the codes themselves, which
     the bit-for-bit check catches, and moves outputs by ~2^-8 of that sum, 4x past the bound."""
     from model_fixtures import make_tiny_checkpoint
-    from test_quant_fp8 import _write_fp8
+    from quant_fixtures import write_fp8_checkpoint
 
     from paged_backend.attention import get_attention_backend
     from paged_backend.models.model_info import ModelInfo
     from paged_backend.worker.model_loader import load_model
 
     dense = make_tiny_checkpoint(tmp_path / "dense", "LlamaForCausalLM")
-    _write_fp8(dense, tmp_path / "fp8", per_channel=True, scheme="dynamic")
+    write_fp8_checkpoint(dense, tmp_path / "fp8", per_channel=True, scheme="dynamic")
     info = ModelInfo.from_dir(tmp_path / "fp8")
     models = {d: load_model(tmp_path / "fp8", info, torch.float32, d, get_attention_backend("torch", torch.device(d)))
               for d in ("cpu", "cuda")}

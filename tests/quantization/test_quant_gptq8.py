@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 import torch
 from model_fixtures import PagedCache, make_tiny_checkpoint, paged_logits
+from quant_fixtures import LINEARS, SHAPES
 from safetensors.torch import load_file, save_file
 
 from paged_backend.attention import get_attention_backend
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.worker.model_loader import load_model
 
-LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 GROUP = 32
 
 
@@ -107,8 +107,6 @@ def test_gptq8_layers_match_independent_dequantization(tiny, tmp_path, act_order
 
 
 def test_gptq8_dummy(tmp_path):
-    from test_quant_dummy import SHAPES
-
     path = tmp_path / "m"
     path.mkdir()
     qcfg = {"quant_method": "gptq", "bits": 8, "group_size": 64, "desc_act": True, "sym": True}
