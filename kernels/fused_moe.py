@@ -1,0 +1,429 @@
+"""Fused mixture-of-experts MLP in Triton: top-k routed SwiGLU experts, fp32 accumulation.
+
+Contract (as ``fused_moe_ref``)::
+
+    fused_moe(x [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [M, K] float32,
+              topk_ids [M, K] int32/int64, *, config=None, apply_router_weight_on_input=False)
+        -> out [M, H] in x.dtype
+
+Rows 0..I-1 of ``w13[e]`` are the gate projection, rows I..2I-1 the up projection. For every
+(token m, slot k) pair with expert e = topk_ids[m, k] and weight w = topk_weights[m, k]::
+
+    h = silu(x[m] @ gate.T) * (x[m] @ up.T)        y = h @ w2[e].T        out[m] = sum_k w * y
+
+With ``apply_router_weight_on_input`` the weight scales the expert's input instead
+(``x[m] * w`` feeds the expert) and the slots are summed unweighted. x, w13 and w2 share one
+dtype (bf16, fp16 or fp32); the products accumulate in fp32 and the intermediates are stored
+in x.dtype, as the reference rounds them (here the routed weight scales the fp32 accumulator
+before that rounding).
+
+Algorithm. The M*K pairs are numbered p = m*K + k (``topk_ids.flatten()``); pair p reads token
+p // K. Two grouped GEMMs run over them, one launch each, every program multiplying a tile of
+pairs that all use one expert by a BLOCK_N slice of that expert's weight ([N, Kdim] row-major,
+read as the transposed operand)::
+
+    inter1 [M*K, 2I] = grouped GEMM (x rows p // K, w13)            (weights applied here with
+                                                                    apply_router_weight_on_input)
+    inter  [M*K, I]  = silu_and_mul(inter1)                          (kernels/activation.py)
+    inter2 [M*K, H]  = grouped GEMM (inter rows p, w2) * topk_weights (otherwise here)
+    out    [M, H]    = inter2.view(M, K, H).sum(1)                   (torch; fp32 accumulation.
+                                                                    K = 1: GEMM 2 writes out)
+
+Each GEMM program stores its rows at their pair's position p, so the top-k sum reads
+contiguous [K, H] blocks and no un-permute pass is needed.
+
+Variants (chosen by ``MoEConfig.BLOCK_M``):
+
+``sorted`` (BLOCK_M >= 16, tensor cores): ``moe_align_block_size`` groups the pairs by expert,
+pads each expert's group to a multiple of BLOCK_M with the sentinel M*K and lists one expert
+per BLOCK_M tile; experts without tokens get no tiles. The grid is sized for the most tiles
+the shapes allow (M*K + min(E, M*K) * (BLOCK_M - 1) padded rows), and programs past
+``num_tokens_post_padded`` (a device scalar) exit at once: no host synchronisation anywhere,
+so the launch is CUDA-graph capturable. Sentinel rows load zeros and store nothing. Program
+ids are swizzled in groups of GROUP_M tile rows (the tiles of neighbouring pair tiles that
+share one expert's weight slice run together, for L2 reuse).
+
+``pairs`` (BLOCK_M = 1, no sort): one program per (pair, BLOCK_N slice), the expert read straight
+from ``topk_ids``, the product a GEMV on the FMA units (``tl.dot`` needs 16 rows). At decode,
+M*K is a handful of pairs that mostly hit distinct experts: the sort would be five or six small
+launches around a memory-bound GEMM and its 16-row tiles would be nearly empty, while every
+pair's weight slice is read once either way. ``pick_config`` takes it while
+M*K <= min(PAIRS_MAX, E) (at most about one pair per expert).
+
+``MoEConfig`` fields: BLOCK_M (pairs per program: 1 selects ``pairs``, else a power of two
+>= 16), BLOCK_N (output features per program), BLOCK_K (reduction step), GROUP_M (program-id
+swizzle width in tile rows, 1 = none), num_warps, num_stages (software-pipeline depth). One
+config serves both GEMMs. ``pick_config(M, E, N, K, dtype)`` (vLLM's naming: N the intermediate
+size I, K the hidden size H) has a decode and a prefill default and consults an optional tuned
+table: ``load_config_table(path)`` reads a JSON file named like vLLM's
+(``config_file_name(E, N, device_name)`` -> ``E=8,N=14336,device_name=NVIDIA_H200.json``) mapping
+a token count M to ``{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M",
+"num_warps", "num_stages"}``; the entry of the nearest M is used. The layer loads its table once
+and passes ``pick_config(..., table=table)`` as ``config``.
+
+Host work per call: the checks (with ``check=True`` the id range check is one host sync, skipped
+while a CUDA graph is captured), the routing (torch ops on the device), three buffers and the
+launches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, replace
+
+import torch
+import triton
+import triton.language as tl
+from paged_backend.kernels._launch import (
+    FLOAT_DTYPES,
+    check_device,
+    check_tensor,
+    dot_dtype,
+    interpreting,
+    next_pow2,
+)
+from paged_backend.kernels.activation import silu_and_mul
+
+PAIRS_MAX = 16  # pick_config: the unsorted pairs path for up to this many (token, slot) pairs (and <= E)
+_ID_DTYPES = (torch.int32, torch.int64)
+_VLLM_KEYS = {"BLOCK_SIZE_M": "BLOCK_M", "BLOCK_SIZE_N": "BLOCK_N", "BLOCK_SIZE_K": "BLOCK_K",
+              "GROUP_SIZE_M": "GROUP_M", "num_warps": "num_warps", "num_stages": "num_stages"}
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """One launch configuration of both grouped GEMMs (see the module docstring)."""
+
+    BLOCK_M: int = 16  # pairs per program: 1 = the unsorted pairs path, else a power of two >= 16
+    BLOCK_N: int = 64  # output features per program
+    BLOCK_K: int = 32  # reduction step
+    GROUP_M: int = 1  # program ids swizzled in groups of this many tile rows (L2 reuse); 1 = row-major
+    num_warps: int = 4
+    num_stages: int = 3
+
+    def __post_init__(self) -> None:
+        if self.BLOCK_M != 1 and (self.BLOCK_M < 16 or self.BLOCK_M & (self.BLOCK_M - 1)):
+            raise ValueError(f"MoEConfig.BLOCK_M must be 1 (pairs path) or a power of two >= 16, got {self.BLOCK_M}")
+        for name in ("BLOCK_N", "BLOCK_K"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise ValueError(f"MoEConfig.{name} must be a power of two >= 16, got {v}")
+        for name in ("GROUP_M", "num_warps", "num_stages"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"MoEConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+    @property
+    def sorted(self) -> bool:
+        """True for the sorted (tensor-core) path, False for the pairs path."""
+        return self.BLOCK_M > 1
+
+    @classmethod
+    def from_vllm(cls, entry: dict) -> MoEConfig:
+        """A config from one entry of a vLLM-format tuning table (extra keys are ignored)."""
+        missing = [k for k in _VLLM_KEYS if k not in entry and k not in ("num_warps", "num_stages")]
+        if missing:
+            raise ValueError(f"MoE tuning entry lacks {missing}: {entry}")
+        return cls(**{ours: int(entry[theirs]) for theirs, ours in _VLLM_KEYS.items() if theirs in entry})
+
+
+# -- config selection ------------------------------------------------------------------------------
+
+
+def config_file_name(num_experts: int, intermediate: int, device_name: str, dtype: str | None = None) -> str:
+    """vLLM's tuning-table file name: ``E=..,N=..,device_name=...[,dtype=...].json`` (spaces -> _)."""
+    selector = f",dtype={dtype}" if dtype else ""
+    return f"E={num_experts},N={intermediate},device_name={device_name.replace(' ', '_')}{selector}.json"
+
+
+def load_config_table(path: str | os.PathLike) -> dict[int, MoEConfig]:
+    """A tuning table: JSON mapping token counts to vLLM-format entries (see the module docstring)."""
+    with open(path) as f:
+        raw = json.load(f)
+    return {int(m): MoEConfig.from_vllm(entry) for m, entry in raw.items()}
+
+
+_DECODE = MoEConfig(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
+_SMALL = MoEConfig(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=1, num_warps=4, num_stages=3)
+_PREFILL = MoEConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4, num_stages=3)
+
+
+def pick_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, *, top_k: int = 1,
+                table: dict[int, MoEConfig] | None = None) -> MoEConfig:
+    """The config for M tokens routed to ``top_k`` of E experts, intermediate size N, hidden size K.
+
+    ``table`` (``load_config_table``): the entry of the nearest token count. Otherwise untuned
+    defaults: the pairs path while M * top_k <= min(PAIRS_MAX, E); 16-row tiles while M <= E
+    (few pairs per expert); 64-row tiles swizzled by 8 beyond (vLLM's untuned default shapes).
+    fp32 takes one pipeline stage less (twice the bytes a tile). Under the CPU interpreter the N
+    and K tiles grow to cover the small test shapes in one step (fewer interpreted programs).
+    """
+    if table:
+        return table[min(table, key=lambda m: (abs(m - M), m))]
+    if M * top_k <= min(PAIRS_MAX, E):
+        cfg = _DECODE
+    elif M <= E:
+        cfg = _SMALL
+    else:
+        cfg = _PREFILL
+    if dtype == torch.float32:
+        cfg = replace(cfg, num_stages=max(1, cfg.num_stages - 1))
+    if interpreting():
+        tile = max(16, min(128, next_pow2(max(2 * N, K))))
+        cfg = replace(cfg, BLOCK_N=tile, BLOCK_K=tile, num_stages=1)
+    return cfg
+
+
+# -- routing ---------------------------------------------------------------------------------------
+
+
+def _padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Most sorted rows any routing of these shapes needs, rounded up to whole tiles."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return triton.cdiv(rows, block_m) * block_m
+
+
+def moe_align_block_size(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the M*K (token, slot) pairs by expert in BLOCK_M tiles, with torch ops on the device.
+
+    Returns int32 ``sorted_token_ids`` [C] (pair ids p = m*K + k, expert by expert in pair order,
+    each expert's run padded to a multiple of ``block_m`` with the sentinel M*K), ``expert_ids``
+    [C / block_m] (each tile's expert; -1 for tiles past the end) and ``num_tokens_post_padded``
+    [1] (the used length of ``sorted_token_ids``). C = ``_padded_capacity``: fixed by the
+    shapes, so nothing is read back to the host. Ids must lie in [0, num_experts).
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    capacity = _padded_capacity(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host-side max
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in pair order
+    sorted_experts = flat[order]
+    first_pair = torch.cumsum(counts, 0) - counts  # rank of each expert's first pair in ``order``
+    rank = torch.arange(num_pairs, device=device) - first_pair[sorted_experts]
+    dest = (ends - padded)[sorted_experts] + rank
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    tile_start = torch.arange(0, capacity, block_m, device=device)
+    expert_ids = torch.searchsorted(ends, tile_start, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    num_post_padded = ends[-1:].to(torch.int32) if num_experts else torch.zeros(1, dtype=torch.int32, device=device)
+    return sorted_ids, expert_ids, num_post_padded
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Which pairs each GEMM program multiplies by which expert (the output of ``route``)."""
+
+    num_pairs: int  # M * K
+    expert_ids: torch.Tensor  # sorted: expert per tile; pairs: topk_ids flattened (expert per pair)
+    sorted_token_ids: torch.Tensor | None = None  # sorted path only (see moe_align_block_size)
+    num_tokens_post_padded: torch.Tensor | None = None
+
+
+def route(topk_ids: torch.Tensor, num_experts: int, config: MoEConfig) -> Routing:
+    """The routing for ``config``'s path: sorted into tiles, or the pairs as they are."""
+    if not config.sorted:
+        return Routing(topk_ids.numel(), topk_ids.reshape(-1))
+    sorted_ids, expert_ids, num_post_padded = moe_align_block_size(topk_ids, config.BLOCK_M, num_experts)
+    return Routing(topk_ids.numel(), expert_ids, sorted_ids, num_post_padded)
+
+
+# -- kernel ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _swizzle(pid, num_pid_m, num_pid_n, GROUP_M: tl.constexpr):
+    """Program id -> (tile row, tile column), tile rows in groups of GROUP_M (column-major inside)."""
+    per_group = GROUP_M * num_pid_n
+    first_m = (pid // per_group) * GROUP_M
+    rows_here = tl.minimum(num_pid_m - first_m, GROUP_M)
+    return first_m + (pid % per_group) % rows_here, (pid % per_group) // rows_here
+
+
+@triton.jit
+def _load_k(ptrs, mask, k_ok, EVEN_K: tl.constexpr):
+    """A tile whose other dims are masked by ``mask``; the reduction dim by ``k_ok`` unless EVEN_K."""
+    if EVEN_K:
+        t = tl.load(ptrs, mask=mask, other=0.0)
+    else:
+        t = tl.load(ptrs, mask=mask & k_ok, other=0.0)
+    return t
+
+
+@triton.jit
+def _moe_gemm_kernel(
+    a_ptr,  # [T, Kd]: pair p reads row p // PAIRS_PER_ROW
+    w_ptr,  # [E, N, Kd], last dim contiguous
+    c_ptr,  # [P, N]: pair p's output row
+    rw_ptr,  # float32 [P]: routed weights (MUL_ROUTED_WEIGHT)
+    rows_ptr,  # int32 [C]: sorted pair ids (SORTED)
+    experts_ptr,  # SORTED: int32 [C / BLOCK_M] expert per tile; else int32/int64 [P] expert per pair
+    ntpp_ptr,  # int32 [1]: used sorted rows (SORTED)
+    N,
+    Kd,
+    num_pairs,
+    num_pid_m,  # tile rows in the grid (SORTED: C / BLOCK_M; else P)
+    stride_am,
+    stride_we,
+    stride_wn,
+    stride_cm,
+    PAIRS_PER_ROW: tl.constexpr,  # K for x (GEMM 1), 1 for the activated intermediate (GEMM 2)
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
+    SORTED: tl.constexpr,  # False: one pair per program (BLOCK_M 1), an FMA GEMV
+    MUL_ROUTED_WEIGHT: tl.constexpr,
+    EVEN_K: tl.constexpr,  # Kd % BLOCK_K == 0
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,  # fp32 operands: full-precision tl.dot (not TF32)
+):
+    pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    if SORTED:
+        if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
+            return  # a tile past the routing's end (the grid is sized for the worst case)
+        rows = tl.load(rows_ptr + offs_m)
+    else:
+        rows = offs_m
+    row_ok = rows < num_pairs  # sentinel rows: zeros in, nothing out
+    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = a_ptr + (rows // PAIRS_PER_ROW).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, Kd, BLOCK_K):
+        k_ok = offs_k < Kd - k0
+        a = _load_k(a_ptrs, row_ok[:, None], k_ok[None, :], EVEN_K)
+        b = _load_k(w_ptrs, n_ok[None, :], k_ok[:, None], EVEN_K)
+        if SORTED:
+            if IEEE:
+                acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+        else:  # [1, BK] row: a column times the [BK, BN] tile, summed over k
+            acc += tl.sum(tl.trans(a.to(tl.float32)) * b.to(tl.float32), axis=0)[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if MUL_ROUTED_WEIGHT:
+        acc = acc * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+# -- launchers -------------------------------------------------------------------------------------
+
+
+def moe_gemm(
+    a: torch.Tensor,  # [T, Kd]
+    w: torch.Tensor,  # [E, N, Kd]
+    out: torch.Tensor,  # [P, N]
+    routing: Routing,
+    config: MoEConfig,
+    *,
+    pairs_per_row: int = 1,
+    routed_weights: torch.Tensor | None = None,  # float32 [P], contiguous
+) -> torch.Tensor:
+    """One grouped GEMM into ``out``: row p = a[p // pairs_per_row] @ w[expert(p)].T, times
+    ``routed_weights[p]`` when given. Rows of pairs the routing leaves out are not written.
+    A building block of ``fused_moe``, which checks the arguments; here only ``out``'s shape."""
+    num_experts, n, kd = w.shape
+    check_tensor("out", out, shape=(routing.num_pairs, n))
+    if routing.num_pairs == 0 or n == 0:
+        return out
+    if config.sorted:
+        num_pid_m = routing.expert_ids.numel()
+        rows, ntpp = routing.sorted_token_ids, routing.num_tokens_post_padded
+    else:
+        num_pid_m = routing.num_pairs
+        rows = ntpp = routing.expert_ids  # unused
+    rw = routed_weights if routed_weights is not None else out
+    grid = (num_pid_m * triton.cdiv(n, config.BLOCK_N),)
+    _moe_gemm_kernel[grid](
+        a, w, out, rw, rows, routing.expert_ids, ntpp,
+        n, kd, routing.num_pairs, num_pid_m,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        PAIRS_PER_ROW=pairs_per_row, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
+        GROUP_M=config.GROUP_M, SORTED=config.sorted, MUL_ROUTED_WEIGHT=routed_weights is not None,
+        EVEN_K=kd % config.BLOCK_K == 0, DOT_DTYPE=dot_dtype(a.dtype), IEEE=a.dtype == torch.float32,
+        num_warps=config.num_warps, num_stages=config.num_stages,
+    )
+    return out
+
+
+def _check_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
+    """ValueError unless every id lies in [0, num_experts): one host sync (not while capturing)."""
+    if topk_ids.numel() == 0 or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return
+    lo, hi = (int(v) for v in torch.aminmax(topk_ids))
+    if lo < 0 or hi >= num_experts:
+        raise ValueError(f"topk_ids must lie in [0, {num_experts}) (E = w13.shape[0]), got ids from {lo} to {hi}")
+
+
+def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                   topk_ids: torch.Tensor, *, check_ids: bool = True) -> None:
+    """ValueError/TypeError naming the argument unless the tensors fit the contract (module docstring)."""
+    check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
+    device = check_device(x, "x")
+    m, h = x.shape
+    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=device)
+    num_experts, two_i, _ = w13.shape
+    if two_i % 2:
+        raise ValueError(f"w13 must stack gate and up projections ([E, 2I, H]), got an odd dim 1: {tuple(w13.shape)}")
+    check_tensor("w13", w13, shape=(num_experts, two_i, h))
+    check_tensor("w2", w2, shape=(num_experts, h, two_i // 2), dtypes=(x.dtype,), device=device)
+    check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES, device=device, contiguous=True)
+    if topk_ids.shape[0] != m:
+        raise ValueError(f"topk_ids must have one row per token ({m}), got shape {tuple(topk_ids.shape)}")
+    check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtypes=(torch.float32,),
+                 device=device, contiguous=True)
+    if check_ids:
+        _check_ids_in_range(topk_ids, num_experts)
+
+
+def fused_moe(
+    x: torch.Tensor,  # [M, H]
+    w13: torch.Tensor,  # [E, 2I, H]
+    w2: torch.Tensor,  # [E, H, I]
+    topk_weights: torch.Tensor,  # float32 [M, K]
+    topk_ids: torch.Tensor,  # int32/int64 [M, K]
+    *,
+    config: MoEConfig | None = None,
+    apply_router_weight_on_input: bool = False,
+    check: bool = True,
+) -> torch.Tensor:  # [M, H], x.dtype
+    """The routed experts' SwiGLU MLPs summed over each token's top-k slots (module docstring).
+
+    ``config=None`` uses ``pick_config`` (untuned defaults). ``check=False`` skips the argument
+    checks, among them the id range check's host sync (the layer checks its weights at load;
+    out-of-range ids are then undefined behaviour).
+    """
+    if check:
+        check_moe_args(x, w13, w2, topk_weights, topk_ids)
+    m, h = x.shape
+    num_experts, two_i, _ = w13.shape
+    top_k = topk_ids.shape[1]
+    pairs = m * top_k
+    out = torch.empty((m, h), dtype=x.dtype, device=x.device)
+    if pairs == 0:
+        return out.zero_()
+    config = config or pick_config(m, num_experts, two_i // 2, h, x.dtype, top_k=top_k)
+    routing = route(topk_ids, num_experts, config)
+    weights = topk_weights.reshape(-1)
+    inter1 = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)
+    moe_gemm(x, w13, inter1, routing, config, pairs_per_row=top_k,
+             routed_weights=weights if apply_router_weight_on_input else None)
+    inter = silu_and_mul(inter1)
+    inter2 = out if top_k == 1 else torch.empty((pairs, h), dtype=x.dtype, device=x.device)
+    moe_gemm(inter, w2, inter2, routing, config, routed_weights=None if apply_router_weight_on_input else weights)
+    if top_k > 1:
+        torch.sum(inter2.view(m, top_k, h), dim=1, out=out)
+    return out

@@ -1,0 +1,212 @@
+"""The routed experts of a mixture-of-experts layer as two stacked parameters.
+
+    w13  [E, 2I, H]   per expert: gate rows [0, I), up rows [I, 2I)  (``kernels/fused_moe_ref.py``)
+    w2   [E, H, I]    per expert: the down projection
+
+``FusedMoE.forward(x, router_logits)`` = ``select_experts`` (``moe_routing.py``) then the MoE op
+(``fused_moe_ref`` by default; the model may pass the Triton kernel as ``moe_op``). The router's
+linear and any shared experts stay in the model: this module is the routed part only. With
+``noaux_tc`` routing the module also holds the router's ``e_score_correction_bias`` [E] (float32).
+
+Tensor parallelism: with a ``TPGroup`` each rank holds I / tp of every expert's intermediate
+features (its rows of gate and of up in w13, its columns of w2) and the output is all-reduced once
+per layer, as ``RowParallelLinear`` does; with ``tp=None`` nothing is split.
+
+Checkpoint layouts (what transformers 5.24's ``save_pretrained`` writes, ``{L}`` = ``model.layers.N``):
+
+    per-expert (the default, ``save_original_format=True``; the hub's own checkpoints)
+        Qwen3-MoE, GLM-4.5 MoE, DeepSeek-V2/V3:
+            {L}.mlp.experts.{e}.gate_proj.weight [I, H], .up_proj.weight [I, H], .down_proj.weight [H, I]
+        Mixtral:
+            {L}.block_sparse_moe.experts.{e}.w1.weight (gate) [I, H], .w3.weight (up) [I, H],
+            .w2.weight (down) [H, I]
+    stacked (``save_original_format=False``: transformers' in-memory layout, every family,
+    Mixtral included, under ``mlp``; no ``.weight`` suffix)
+            {L}.mlp.experts.gate_up_proj [E, 2I, H] (gate rows then up rows), {L}.mlp.experts.down_proj [E, H, I]
+
+The router lives beside them: ``{L}.mlp.gate.weight`` [E, H] (Mixtral per-expert:
+``{L}.block_sparse_moe.gate.weight``), and for GLM-4.5 / DeepSeek-V3 ``{L}.mlp.gate.e_score_correction_bias`` [E].
+
+Loader shard ids are ``(proj, expert)``: proj ``"gate"`` / ``"up"`` / ``"down"`` for one expert's
+tensor, or with expert ``None`` a stack over all experts (``"gate_up"`` [E, 2I, H], ``"down"``
+[E, H, I], also ``"gate"`` / ``"up"`` [E, I, H]).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from paged_backend.kernels.fused_moe_ref import fused_moe_ref
+from paged_backend.models.layers import new_param
+from paged_backend.models.moe_routing import RoutingConfig, select_experts
+from paged_backend.models.parallel import LazyTensor, as_tensor, narrow, split
+
+if TYPE_CHECKING:
+    from paged_backend.distributed import TPGroup
+
+MoEShardId = tuple[str, int | None]
+MoEOp = Callable[..., torch.Tensor]
+PROJS = ("gate", "up", "down", "gate_up")
+
+# layout -> (module under the layer prefix, {checkpoint projection name: proj}); "stacked" has no expert index
+EXPERT_LAYOUTS: dict[str, tuple[str, dict[str, str]]] = {
+    "gate_up_down": ("mlp", {"gate_proj": "gate", "up_proj": "up", "down_proj": "down"}),
+    "w1_w3_w2": ("block_sparse_moe", {"w1": "gate", "w3": "up", "w2": "down"}),
+    "stacked": ("mlp", {"gate_up_proj": "gate_up", "down_proj": "down"}),
+}
+# model_type -> the layouts its checkpoints come in (per-expert first)
+FAMILY_EXPERT_LAYOUTS: dict[str, tuple[str, ...]] = {
+    "qwen3_moe": ("gate_up_down", "stacked"),
+    "mixtral": ("w1_w3_w2", "stacked"),
+    "glm4_moe": ("gate_up_down", "stacked"),
+    "deepseek_v2": ("gate_up_down", "stacked"),
+    "deepseek_v3": ("gate_up_down", "stacked"),
+}
+
+
+def _layout(style: str) -> tuple[str, dict[str, str]]:
+    if style not in EXPERT_LAYOUTS:
+        raise ValueError(f"unknown expert checkpoint layout {style!r} (one of {tuple(EXPERT_LAYOUTS)})")
+    return EXPERT_LAYOUTS[style]
+
+
+def _param_for(proj: str) -> str:
+    return "w2" if proj == "down" else "w13"
+
+
+def checkpoint_expert_names(prefix: str, num_experts: int, style: str) -> Iterator[tuple[str, str, MoEShardId]]:
+    """(checkpoint tensor name, parameter "w13" | "w2", shard id) of every expert tensor of the layer
+    at ``prefix`` (e.g. ``model.layers.3``) in layout ``style``."""
+    module, projs = _layout(style)
+    if style == "stacked":
+        for name, proj in projs.items():
+            yield f"{prefix}.{module}.experts.{name}", _param_for(proj), (proj, None)
+        return
+    for e in range(num_experts):
+        for name, proj in projs.items():
+            yield f"{prefix}.{module}.experts.{e}.{name}.weight", _param_for(proj), (proj, e)
+
+
+def parse_expert_name(name: str, prefix: str, num_experts: int, style: str) -> tuple[str, MoEShardId] | None:
+    """(parameter, shard id) of checkpoint tensor ``name`` if it is an expert tensor of the layer at
+    ``prefix`` in layout ``style``, else None; ValueError for an expert index out of range."""
+    module, projs = _layout(style)
+    alternatives = "|".join(re.escape(p) for p in projs)
+    head = re.escape(f"{prefix}.{module}.experts.")
+    if style == "stacked":
+        match = re.fullmatch(f"{head}({alternatives})", name)
+        return None if match is None else (_param_for(projs[match[1]]), (projs[match[1]], None))
+    match = re.fullmatch(rf"{head}(\d+)\.({alternatives})\.weight", name)
+    if match is None:
+        return None
+    expert = int(match[1])
+    if expert >= num_experts:
+        raise ValueError(f"checkpoint tensor {name}: expert {expert} is out of range (the layer has "
+                         f"{num_experts} experts)")
+    return _param_for(projs[match[2]]), (projs[match[2]], expert)
+
+
+class FusedMoE(nn.Module):
+    """Routed experts ``w13`` [E, 2I/tp, H], ``w2`` [E, H, I/tp] with per-expert weight loaders."""
+
+    def __init__(
+        self,
+        routing: RoutingConfig,
+        hidden_size: int,
+        intermediate_size: int,
+        dtype: torch.dtype,
+        tp: TPGroup | None = None,
+        moe_op: MoEOp = fused_moe_ref,
+    ) -> None:
+        super().__init__()
+        self.routing = routing
+        self.num_experts = routing.num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.tp = tp
+        self.moe_op = moe_op
+        start, size = (0, intermediate_size) if tp is None else split(intermediate_size, tp, "moe_intermediate_size")
+        self.i_start, self.i_local = start, size
+        self.w13 = new_param((self.num_experts, 2 * size, hidden_size), dtype, self.weight_loader)
+        self.w2 = new_param((self.num_experts, hidden_size, size), dtype, self.weight_loader)
+        self.e_score_correction_bias: nn.Parameter | None = None
+        if routing.uses_correction_bias:
+            self.e_score_correction_bias = new_param((self.num_experts,), torch.float32)
+
+    # -- loading ----------------------------------------------------------------------------
+
+    def _check_shard(self, param: nn.Parameter, shard_id: MoEShardId) -> tuple[str, int | None]:
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2):
+            raise ValueError(f"expert shard id must be (proj, expert), got {shard_id!r}")
+        proj, expert = shard_id
+        if proj not in PROJS:
+            raise ValueError(f"unknown expert projection {proj!r} (one of {PROJS})")
+        if (param is self.w2) != (proj == "down"):
+            raise ValueError(f"projection {proj!r} does not belong to this parameter")
+        if expert is not None and not 0 <= expert < self.num_experts:
+            raise ValueError(f"expert {expert} is out of range (the layer has {self.num_experts} experts)")
+        return proj, expert
+
+    def _parts(self, proj: str) -> list[tuple[int, int]]:
+        """(start in the checkpoint tensor's intermediate dim, start in the parameter's) of each
+        part of ``proj`` this rank holds (gate_up: one part in the gate rows, one in the up rows)."""
+        full, local, start = self.intermediate_size, self.i_local, self.i_start
+        parts = {"gate": [(start, 0)], "up": [(start, local)], "down": [(start, 0)],
+                 "gate_up": [(start, 0), (full + start, local)]}
+        return parts[proj]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor | LazyTensor,
+                      shard_id: MoEShardId | None = None) -> None:
+        """Writes one checkpoint tensor (one expert's, or a stack over experts) into its slice."""
+        if shard_id is None:
+            raise ValueError("expert parameter needs a shard id (proj, expert)")
+        proj, expert = self._check_shard(param, shard_id)
+        dst = param.data if expert is None else param.data[expert]
+        # the intermediate-feature dim: rows of gate/up, columns of down (+1 for a stack over experts)
+        i_dim = (1 if proj == "down" else 0) + (1 if expert is None else 0)
+        full = 2 * self.intermediate_size if proj == "gate_up" else self.intermediate_size
+        if loaded_weight.dim() != dst.dim() or loaded_weight.shape[i_dim] != full:
+            raise ValueError(f"shape mismatch: checkpoint has {tuple(loaded_weight.shape)}, expert shard "
+                             f"{shard_id!r} expects {full} intermediate features in dim {i_dim} of a "
+                             f"{dst.dim()}-d tensor")
+        parts = self._parts(proj)
+        if self.tp is None:  # the parts are contiguous: one read, one copy
+            _copy(dst.narrow(i_dim, parts[0][1], full), as_tensor(loaded_weight), shard_id)
+            return
+        for src_start, dst_start in parts:
+            src = narrow(loaded_weight, i_dim, src_start, self.i_local)
+            _copy(dst.narrow(i_dim, dst_start, self.i_local), src, shard_id)
+
+    # -- checkpoint names -------------------------------------------------------------------
+
+    def checkpoint_expert_names(self, prefix: str, style: str) -> Iterator[tuple[str, str, MoEShardId]]:
+        """``checkpoint_expert_names`` for this layer's expert count."""
+        return checkpoint_expert_names(prefix, self.num_experts, style)
+
+    def parse_expert_name(self, name: str, prefix: str, style: str) -> tuple[str, MoEShardId] | None:
+        """``parse_expert_name`` for this layer's expert count."""
+        return parse_expert_name(name, prefix, self.num_experts, style)
+
+    # -- forward ----------------------------------------------------------------------------
+
+    def select(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(topk_weights, topk_ids) of this layer's routing."""
+        return select_experts(router_logits, self.routing, self.e_score_correction_bias)
+
+    def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
+        """Routed experts' output [T, H] for ``x`` [T, H] (all-reduced over the TP ranks)."""
+        weights, ids = self.select(router_logits)
+        out = self.moe_op(x, self.w13, self.w2, weights, ids)
+        return out if self.tp is None else self.tp.all_reduce(out)
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, shard_id: MoEShardId) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"shape mismatch: checkpoint has {tuple(src.shape)}, expert shard {shard_id!r} expects "
+                         f"{tuple(dst.shape)}")
+    dst.copy_(src)
