@@ -51,7 +51,8 @@ def hf_classes(arch: str) -> tuple[type, type]:
     import transformers
 
     config_cls = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
-                  "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config"}[arch]
+                  "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
+                  "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig"}[arch]
     return getattr(transformers, config_cls), getattr(transformers, arch)
 
 

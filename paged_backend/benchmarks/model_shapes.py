@@ -9,7 +9,8 @@ import os
 import tempfile
 from typing import Any
 
-# model shapes by name (the shapes of docs/BENCHMARKS.md's W1 / W2 workloads)
+# model shapes by name (the shapes of docs/BENCHMARKS.md's W1 / W2 / W4 workloads); an entry may name
+# its own architecture and model_type (the default: a Llama)
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
@@ -17,6 +18,11 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=128, vocab_size=128256,
                          tie_word_embeddings=False, rope_theta=500000.0, max_position_embeddings=8192),
+    "qwen3-30b-a3b": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048,
+                          intermediate_size=6144, moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8,
+                          norm_topk_prob=True, num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=1000000.0,
+                          max_position_embeddings=40960, rms_norm_eps=1e-6),
 }
 
 
@@ -28,9 +34,9 @@ def write_shape_config(name: str, tokenizer_from: str | os.PathLike[str] | None 
     every sampled id detokenizes; without it the engine takes token-id prompts only.
     """
     d = tempfile.mkdtemp(prefix=f"pb_{name}_")
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
-               attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16",
-               **MODEL_SHAPES[name])
+    cfg = {**dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", rms_norm_eps=1e-5,
+                  attention_bias=False, mlp_bias=False, bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16"),
+           **MODEL_SHAPES[name]}
     with open(os.path.join(d, "config.json"), "w") as f:
         json.dump(cfg, f)
     if tokenizer_from is not None:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_backend.kernels.activation_ref import silu_and_mul_ref
+from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 from paged_backend.kernels.rms_norm_ref import rms_norm_ref
 from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
 
@@ -33,11 +34,13 @@ class ModelOps:
     rms_norm(x, weight, eps, residual) -> (normed, new_residual)
     silu_and_mul(x [T, 2I]) -> [T, I]
     rotary(positions, q [T, H, D], k [T, Hkv, D], cos_sin_cache, q_scale=None) -> (q, k)
+    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K]) -> [T, H]
     """
 
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
     silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
     rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    fused_moe: Callable[..., torch.Tensor] = fused_moe_ref
 
 
 def reference_ops() -> ModelOps:

@@ -11,7 +11,6 @@ order follows transformers' LlamaModel so fp32 logits agree with HF's.
 from __future__ import annotations
 
 import os
-import re
 import weakref
 from collections.abc import Iterable
 from dataclasses import replace
@@ -31,6 +30,7 @@ from paged_backend.models.layers import (
     reference_ops,
 )
 from paged_backend.models.model_info import ModelInfo
+from paged_backend.models.moe import SparseMoeBlock
 from paged_backend.models.parallel import (
     down_proj,
     embed_tokens,
@@ -40,24 +40,10 @@ from paged_backend.models.parallel import (
     o_proj,
     qkv_proj,
 )
+from paged_backend.models.weight_loading import checkpoint_names, load_checkpoint_tensors
 
 if TYPE_CHECKING:
     from paged_backend.distributed import TPGroup
-
-# (fused parameter, HF checkpoint name, shard id)
-STACKED_PARAMS = (
-    (".qkv_proj.", ".q_proj.", "q"),
-    (".qkv_proj.", ".k_proj.", "k"),
-    (".qkv_proj.", ".v_proj.", "v"),
-    (".gate_up_proj.", ".gate_proj.", 0),
-    (".gate_up_proj.", ".up_proj.", 1),
-)
-# checkpoint names of per-layer KV-cache scales -> our buffer names (kv_scale sets both)
-_KV_SCALE = re.compile(
-    r"^(?P<prefix>.*\.self_attn)\.(?:attn\.|k_proj\.|v_proj\.)?(?P<which>k|v|kv)_scale$"
-    r"|^(?P<prefix2>.*\.self_attn)\.(?P<which2>k|v)_proj\.output_scale$"
-)
-_IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 # -- dense linears on the CPU ------------------------------------------------------------------
 # torch's F.linear runs MKL's sgemm; oneDNN on a weight reordered once into its blocked layout is
@@ -240,7 +226,13 @@ class LlamaDecoderLayer(nn.Module):
     ) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(info, layer_idx, rotary_emb, attn_backend, dtype, ops, tp)
-        self.mlp = LlamaMLP(info, dtype, ops, tp)
+        self.mlp: nn.Module
+        if info.moe_layers and info.moe_layers[layer_idx]:
+            assert info.routing is not None
+            self.mlp = SparseMoeBlock(info.routing, info.hidden_size, info.moe_intermediate_size, dtype, tp,
+                                      moe_op=ops.fused_moe)
+        else:
+            self.mlp = LlamaMLP(info, dtype, ops, tp)
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
 
@@ -337,56 +329,11 @@ class LlamaForCausalLM(nn.Module):
     @staticmethod
     def checkpoint_names(param_name: str) -> list[str]:
         """The HF tensor names that load ``param_name`` (several for a fused parameter)."""
-        names = [param_name.replace(fused, orig) for fused, orig, _ in STACKED_PARAMS if fused in param_name]
-        return names or [param_name]
+        return checkpoint_names(param_name)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
-        """Loads HF-named tensors through each parameter's ``weight_loader``.
-
-        Returns the names of the parameters (and KV-scale buffers) that are fully loaded; a
-        fused parameter counts only once all its shards were seen. Unknown names and shape
-        mismatches raise ``ValueError`` naming the checkpoint tensor.
-        """
+        """Loads HF-named tensors through each parameter's ``weight_loader`` (models/weight_loading.py);
+        returns the names of the fully loaded parameters and KV-scale buffers."""
         for m in self.modules():  # packed copies of the old weights (cpu_linear)
             m.__dict__.pop(_PACKED, None)
-        params = dict(self.named_parameters())
-        buffers = dict(self.named_buffers())
-        seen: dict[str, set] = {}
-        for name, tensor in weights:
-            if any(s in name for s in _IGNORED):
-                continue
-            if self.info.tie_word_embeddings and name.startswith("lm_head."):
-                continue  # the tied lm_head is embed_tokens
-            m = _KV_SCALE.match(name)
-            if m:
-                prefix, which = m["prefix"] or m["prefix2"], m["which"] or m["which2"]
-                for kind in ("k", "v") if which == "kv" else (which,):
-                    seen.setdefault(self._load_scale(buffers, f"{prefix}.{kind}_scale", name, tensor), set())
-                continue
-            pname, shard = name, None
-            for fused, orig, shard_id in STACKED_PARAMS:
-                if orig in name:
-                    pname, shard = name.replace(orig, fused), shard_id
-                    break
-            param = params.get(pname)
-            if param is None:
-                raise ValueError(f"unexpected tensor {name!r}: the model has no parameter {pname!r}")
-            try:
-                param.weight_loader(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"tensor {name!r}: {e}") from None
-            seen.setdefault(pname, set()).add(shard)
-        return {
-            n for n, shards in seen.items()
-            if n in buffers or set(getattr(params[n], "shard_ids", ()) or (None,)) <= shards
-        }
-
-    @staticmethod
-    def _load_scale(buffers: dict[str, torch.Tensor], bname: str, name: str, tensor: torch.Tensor) -> str:
-        buf = buffers.get(bname)
-        if buf is None:
-            raise ValueError(f"unexpected tensor {name!r}: the model has no buffer {bname!r}")
-        if tensor.numel() != 1:
-            raise ValueError(f"tensor {name!r}: only per-tensor KV scales are supported, got {tuple(tensor.shape)}")
-        buf.copy_(tensor.reshape(()).float())
-        return bname
+        return load_checkpoint_tensors(self, self.info, weights)

@@ -14,9 +14,15 @@ from typing import Any
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM")
+from paged_backend.models.moe_routing import RoutingConfig
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
-                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+                       "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+_MISTRAL_ATTENTION = ("MistralForCausalLM", "MixtralForCausalLM")  # no attention bias, a window on every layer
+_QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q/k norm
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
@@ -50,6 +56,16 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
     bos_token_id: int | None
     quantization_config: dict[str, Any] | None
+    # mixture of experts (all zero / empty for a dense model)
+    num_experts: int = 0  # routed experts of each MoE layer
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0  # one expert's intermediate size
+    moe_layers: tuple[bool, ...] = ()  # per layer: its MLP is routed experts
+    routing: RoutingConfig | None = None
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
 
     @classmethod
     def from_dir(cls, path: Path | str) -> ModelInfo:
@@ -83,7 +99,7 @@ class ModelInfo:
             raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
         theta, scaling = _rope(cfg, source)
         qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
-        mistral = arch == "MistralForCausalLM"
+        mistral = arch in _MISTRAL_ATTENTION
         attn_bias = bool(cfg.get("attention_bias", False)) and not mistral
         windows = _layer_windows(cfg, arch, num_layers)
         used = [w for w in windows if w is not None]
@@ -105,13 +121,14 @@ class ModelInfo:
             attention_bias=qwen2 or attn_bias,
             o_proj_bias=attn_bias and not qwen2,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in _QWEN3_ATTENTION,
             sliding_window=max(used) if used else None,
             layer_sliding_windows=tuple(windows),
             dtype=_dtype(cfg.get("dtype") or cfg.get("torch_dtype"), source),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
             bos_token_id=next((b for b in (cfg.get("bos_token_id"), gen.get("bos_token_id")) if b is not None), None),
             quantization_config=cfg.get("quantization_config") or None,
+            **_moe_fields(cfg, arch, num_layers, intermediate, source),
         )
 
 
@@ -148,7 +165,7 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
 def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> list[int | None]:
     """Per-layer sliding window: Mistral uses it on every layer; Qwen only with use_sliding_window."""
     window = cfg.get("sliding_window")
-    if arch == "MistralForCausalLM":
+    if arch in _MISTRAL_ATTENTION or (arch == "Qwen3MoeForCausalLM" and cfg.get("use_sliding_window")):
         return [int(window) if window else None] * num_layers
     if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and cfg.get("use_sliding_window") and window:
         types = cfg.get("layer_types") or [
@@ -157,6 +174,28 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> list[int 
         ]
         return [int(window) if t == "sliding_attention" else None for t in types]
     return [None] * num_layers
+
+
+def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int, source: str) -> dict[str, Any]:
+    """The mixture-of-experts fields: which layers route, to how many experts of what size."""
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+        return {}
+    try:
+        routing = RoutingConfig.from_hf_config(cfg)
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+    if arch == "MixtralForCausalLM":
+        return dict(num_experts=routing.num_experts, num_experts_per_tok=routing.num_experts_per_tok,
+                    moe_intermediate_size=intermediate, moe_layers=(True,) * num_layers, routing=routing)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    layers = tuple(i not in dense and routing.num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    try:
+        size = int(cfg["moe_intermediate_size"])
+    except KeyError:
+        raise ValueError(f"{source}: missing required key 'moe_intermediate_size'") from None
+    return dict(num_experts=routing.num_experts, num_experts_per_tok=routing.num_experts_per_tok,
+                moe_intermediate_size=size, moe_layers=layers, routing=routing)
 
 
 def _dtype(name: str | None, source: str) -> torch.dtype | None:

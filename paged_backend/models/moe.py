@@ -137,6 +137,16 @@ class FusedMoE(nn.Module):
         self.e_score_correction_bias: nn.Parameter | None = None
         if routing.uses_correction_bias:
             self.e_score_correction_bias = new_param((self.num_experts,), torch.float32)
+        self.w13.is_loaded = self._w13_loaded
+        self.w2.is_loaded = self._w2_loaded
+
+    def _w13_loaded(self, shards: set) -> bool:
+        """Every expert's gate and up, one by one, or the whole stack at once."""
+        per_expert = {(p, e) for p in ("gate", "up") for e in range(self.num_experts)}
+        return ("gate_up", None) in shards or {("gate", None), ("up", None)} <= shards or per_expert <= shards
+
+    def _w2_loaded(self, shards: set) -> bool:
+        return ("down", None) in shards or {("down", e) for e in range(self.num_experts)} <= shards
 
     # -- loading ----------------------------------------------------------------------------
 
@@ -210,3 +220,27 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, shard_id: MoEShardId) -> None:
         raise ValueError(f"shape mismatch: checkpoint has {tuple(src.shape)}, expert shard {shard_id!r} expects "
                          f"{tuple(dst.shape)}")
     dst.copy_(src)
+
+
+class Router(nn.Module):
+    """The router's linear: ``weight`` [E, H] (replicated on every rank), logits in x's dtype."""
+
+    def __init__(self, num_experts: int, hidden_size: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = new_param((num_experts, hidden_size), dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x, self.weight)
+
+
+class SparseMoeBlock(nn.Module):
+    """A decoder layer's MLP as routed experts: ``gate`` (the router) and ``experts`` (FusedMoE)."""
+
+    def __init__(self, routing: RoutingConfig, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
+                 tp: TPGroup | None = None, moe_op: MoEOp = fused_moe_ref) -> None:
+        super().__init__()
+        self.gate = Router(routing.num_experts, hidden_size, dtype)
+        self.experts = FusedMoE(routing, hidden_size, intermediate_size, dtype, tp, moe_op)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.gate(x))

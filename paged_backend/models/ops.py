@@ -1,4 +1,4 @@
-"""The elementwise ops a decoder layer calls (RMSNorm, SiLU-and-mul, rotary), chosen once per model.
+"""The ops a decoder layer calls (RMSNorm, SiLU-and-mul, rotary, routed experts), chosen once per model.
 
 Triton kernels on CUDA, the pure-torch references elsewhere; both sets take the same
 arguments and return the same dtypes, so a model is written once against ``ModelOps``.
@@ -14,10 +14,11 @@ from paged_backend.models.layers import ModelOps, reference_ops
 def triton_ops() -> ModelOps:
     """The Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
     from paged_backend.kernels.activation import silu_and_mul
+    from paged_backend.kernels.fused_moe import fused_moe
     from paged_backend.kernels.rms_norm import rms_norm
     from paged_backend.kernels.rotary import rotary
 
-    return ModelOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary=rotary)
+    return ModelOps(rms_norm=rms_norm, silu_and_mul=silu_and_mul, rotary=rotary, fused_moe=fused_moe)
 
 
 def get_kernel_ops(device: torch.device | str, name: str = "auto") -> ModelOps:

@@ -174,6 +174,9 @@ def check_tp_compatible(info: ModelInfo, tp_size: int) -> None:
     if info.intermediate_size % tp_size:
         raise ValueError(f"intermediate_size ({info.intermediate_size}) is not divisible by "
                          f"tensor_parallel_size ({tp_size})")
+    if info.moe_intermediate_size % tp_size:
+        raise ValueError(f"moe_intermediate_size ({info.moe_intermediate_size}) is not divisible by "
+                         f"tensor_parallel_size ({tp_size})")
     kv = info.num_kv_heads
     if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
         raise ValueError(f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp_size}): one must divide "

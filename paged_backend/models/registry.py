@@ -16,6 +16,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": LlamaForCausalLM,  # a Qwen3 whose MLPs are routed experts
+    "MixtralForCausalLM": LlamaForCausalLM,  # a Mistral whose MLPs are routed experts
 }
 
 

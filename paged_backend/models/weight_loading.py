@@ -1,0 +1,124 @@
+"""Checkpoint tensors into a model's parameters, by HF name (the Llama family and its MoE kin).
+
+    q_proj | k_proj | v_proj      -> qkv_proj (shards "q", "k", "v")
+    gate_proj | up_proj           -> gate_up_proj (shards 0, 1)
+    mlp.experts.{e}.<proj>        -> mlp.experts.w13 | w2 (shards (proj, e); models/moe.py's layouts)
+    block_sparse_moe.gate         -> mlp.gate (Mixtral's router)
+    *.k_scale / v_scale / kv_scale -> the attention's fp8 KV-scale buffers
+
+Each tensor goes through its parameter's ``weight_loader``; unknown names and shape mismatches
+raise ``ValueError`` naming the checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from paged_backend.models.model_info import ModelInfo
+from paged_backend.models.moe import FAMILY_EXPERT_LAYOUTS, MoEShardId, parse_expert_name
+
+# (fused parameter, HF checkpoint name, shard id)
+STACKED_PARAMS = (
+    (".qkv_proj.", ".q_proj.", "q"),
+    (".qkv_proj.", ".k_proj.", "k"),
+    (".qkv_proj.", ".v_proj.", "v"),
+    (".gate_up_proj.", ".gate_proj.", 0),
+    (".gate_up_proj.", ".up_proj.", 1),
+)
+# checkpoint names of per-layer KV-cache scales -> our buffer names (kv_scale sets both)
+_KV_SCALE = re.compile(
+    r"^(?P<prefix>.*\.self_attn)\.(?:attn\.|k_proj\.|v_proj\.)?(?P<which>k|v|kv)_scale$"
+    r"|^(?P<prefix2>.*\.self_attn)\.(?P<which2>k|v)_proj\.output_scale$"
+)
+_IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")
+
+
+def checkpoint_names(param_name: str) -> list[str]:
+    """The HF tensor names that load ``param_name`` (several for a fused parameter)."""
+    names = [param_name.replace(fused, orig) for fused, orig, _ in STACKED_PARAMS if fused in param_name]
+    return names or [param_name]
+
+
+def load_checkpoint_tensors(model: nn.Module, info: ModelInfo, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
+    """Loads HF-named tensors; returns the names of the parameters (and KV-scale buffers) fully
+    loaded (a fused parameter counts once all its shards were seen)."""
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    seen: dict[str, set] = {}
+    for name, tensor in weights:
+        if any(s in name for s in _IGNORED):
+            continue
+        if info.tie_word_embeddings and name.startswith("lm_head."):
+            continue  # the tied lm_head is embed_tokens
+        m = _KV_SCALE.match(name)
+        if m:
+            prefix, which = m["prefix"] or m["prefix2"], m["which"] or m["which2"]
+            for kind in ("k", "v") if which == "kv" else (which,):
+                seen.setdefault(_load_scale(buffers, f"{prefix}.{kind}_scale", name, tensor), set())
+            continue
+        pname, shard = _target(info, name)
+        _load_into(params, seen, name, pname, shard, tensor)
+    return {n for n, shards in seen.items() if n in buffers or _fully_loaded(params[n], shards)}
+
+
+def _target(info: ModelInfo, name: str) -> tuple[str, object]:
+    """The parameter a checkpoint tensor loads, and its shard id there."""
+    expert = _expert_shard(info, name)
+    if expert is not None:
+        return expert
+    if info.is_moe:
+        name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router
+    for fused, orig, shard_id in STACKED_PARAMS:
+        if orig in name:
+            return name.replace(orig, fused), shard_id
+    return name, None
+
+
+def _expert_shard(info: ModelInfo, name: str) -> tuple[str, MoEShardId] | None:
+    """(parameter, shard id) of a routed expert's checkpoint tensor, else None."""
+    if not info.is_moe or ".experts." not in name:
+        return None
+    layer = _LAYER_PREFIX.match(name)
+    if layer is None:
+        return None
+    prefix = layer[0].rstrip(".")
+    for style in FAMILY_EXPERT_LAYOUTS[info.model_type]:
+        found = parse_expert_name(name, prefix, info.num_experts, style)
+        if found is not None:
+            return f"{prefix}.mlp.experts.{found[0]}", found[1]
+    return None
+
+
+def _load_into(params: dict[str, nn.Parameter], seen: dict[str, set], name: str, pname: str, shard,
+               tensor: torch.Tensor) -> None:
+    param = params.get(pname)
+    if param is None:
+        raise ValueError(f"unexpected tensor {name!r}: the model has no parameter {pname!r}")
+    try:
+        param.weight_loader(param, tensor, shard)
+    except ValueError as e:
+        raise ValueError(f"tensor {name!r}: {e}") from None
+    seen.setdefault(pname, set()).add(shard)
+
+
+def _fully_loaded(param: nn.Parameter, shards: set) -> bool:
+    """Every shard of a fused parameter seen (a parameter may say itself: ``is_loaded``)."""
+    check = getattr(param, "is_loaded", None)
+    if check is not None:
+        return check(shards)
+    return set(getattr(param, "shard_ids", ()) or (None,)) <= shards
+
+
+def _load_scale(buffers: dict[str, torch.Tensor], bname: str, name: str, tensor: torch.Tensor) -> str:
+    buf = buffers.get(bname)
+    if buf is None:
+        raise ValueError(f"unexpected tensor {name!r}: the model has no buffer {bname!r}")
+    if tensor.numel() != 1:
+        raise ValueError(f"tensor {name!r}: only per-tensor KV scales are supported, got {tuple(tensor.shape)}")
+    buf.copy_(tensor.reshape(()).float())
+    return bname
