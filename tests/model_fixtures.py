@@ -52,7 +52,8 @@ def hf_classes(arch: str) -> tuple[type, type]:
 
     config_cls = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
                   "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
-                  "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig"}[arch]
+                  "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
+                  "Glm4MoeForCausalLM": "Glm4MoeConfig"}[arch]
     return getattr(transformers, config_cls), getattr(transformers, arch)
 
 

@@ -164,19 +164,26 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE with a float32 cos/sin table built once (on the table's device)."""
+    """Neox-style RoPE with a float32 cos/sin table built once (on the table's device).
+
+    With ``rotary_dim`` < ``head_dim`` (partial rotary, GLM-4.5) only the first ``rotary_dim`` dims
+    of each head are rotated (neox halves within them) and the rest pass through; ``ops.rotary``
+    sees the rotated part alone, so every rotary op works unchanged.
+    """
 
     def __init__(
-        self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, ops: ModelOps
+        self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, ops: ModelOps,
+        rotary_dim: int | None = None,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
+        self.rotary_dim = rotary_dim or head_dim
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
         self.ops = ops
         self.register_buffer(
-            "cos_sin_cache", torch.empty(max_positions, head_dim, dtype=torch.float32), persistent=False
+            "cos_sin_cache", torch.empty(max_positions, self.rotary_dim, dtype=torch.float32), persistent=False
         )
         self.init_buffers()
 
@@ -186,7 +193,7 @@ class RotaryEmbedding(nn.Module):
         if device.type == "meta":  # nothing to compute yet (and meta-device math is slow)
             return
         with torch.device("cpu"):  # inverse frequencies on the CPU, as HF computes them
-            inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling)
+            inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling)
         with torch.device(device):
             self.cos_sin_cache.copy_(rope_cos_sin_cache(inv_freq.to(device), self.max_positions))
 
@@ -194,4 +201,10 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_scale: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k); ``q_scale`` also multiplies q (the attention backend's ``query_scale``)."""
-        return self.ops.rotary(positions, q, k, self.cos_sin_cache, q_scale)
+        r = self.rotary_dim
+        if r == self.head_dim:
+            return self.ops.rotary(positions, q, k, self.cos_sin_cache, q_scale)
+        # the rotated dims as strided views (every rotary op takes views with unit last stride)
+        q_rot, k_rot = self.ops.rotary(positions, q[..., :r], k[..., :r], self.cos_sin_cache, q_scale)
+        q_pass = q[..., r:] if q_scale is None else torch.mul(q[..., r:], q_scale)
+        return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)

@@ -1,11 +1,12 @@
-"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3) over a paged KV cache.
+"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 and the MoE kin) over a paged KV cache.
 
 vLLM style: the step's tokens are flattened (no batch dim); the attention backend writes
 the new K/V into ``kv_caches[layer]`` and attends through ``meta``'s block tables. The op
 order follows transformers' LlamaModel so fp32 logits agree with HF's.
 
     embed -> [ input_norm(+res) -> attn -> post_attn_norm(+res) -> mlp ] x L -> norm(+res)
-    attn:  qkv_proj -> (Qwen3: q_norm/k_norm per head) -> rope -> backend -> o_proj
+    attn:  qkv_proj -> (Qwen3, GLM-4.5: q_norm/k_norm per head) -> rope -> backend -> o_proj
+    mlp:   LlamaMLP, or SparseMoeBlock on routed layers (router -> experts; + shared experts, GLM-4.5)
 """
 
 from __future__ import annotations
@@ -195,10 +196,13 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, info: ModelInfo, dtype: torch.dtype, ops: ModelOps, tp: TPGroup | None = None) -> None:
+    """The dense MLP, of ``intermediate_size`` features (default: the model's; GLM-4.5's shared experts)."""
+
+    def __init__(self, info: ModelInfo, dtype: torch.dtype, ops: ModelOps, tp: TPGroup | None = None,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = gate_up_proj(info, dtype, tp)
-        self.down_proj = down_proj(info, dtype, tp)
+        self.gate_up_proj = gate_up_proj(info, dtype, tp, intermediate_size)
+        self.down_proj = down_proj(info, dtype, tp, intermediate_size)
         self.ops = ops
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -229,8 +233,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp: nn.Module
         if info.moe_layers and info.moe_layers[layer_idx]:
             assert info.routing is not None
+            shared = info.shared_expert_intermediate_size
             self.mlp = SparseMoeBlock(info.routing, info.hidden_size, info.moe_intermediate_size, dtype, tp,
-                                      moe_op=ops.fused_moe)
+                                      moe_op=ops.fused_moe,
+                                      shared_experts=LlamaMLP(info, dtype, ops, tp, shared) if shared else None)
         else:
             self.mlp = LlamaMLP(info, dtype, ops, tp)
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
@@ -260,7 +266,7 @@ class LlamaModel(nn.Module):
                  tp: TPGroup | None = None) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(
-            info.head_dim, info.max_position_embeddings, info.rope_theta, info.rope_scaling, ops
+            info.head_dim, info.max_position_embeddings, info.rope_theta, info.rope_scaling, ops, info.rope_dim
         )
         self.embed_tokens = embed_tokens(info, dtype, tp)  # vocab-parallel under TP
         self.layers = nn.ModuleList(

@@ -17,12 +17,14 @@ import torch
 from paged_backend.models.moe_routing import RoutingConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
-                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                       "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                       "glm4_moe": "Glm4MoeForCausalLM"}
 _MISTRAL_ATTENTION = ("MistralForCausalLM", "MixtralForCausalLM")  # no attention bias, a window on every layer
 _QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q/k norm
+_GLM4_MOE = "Glm4MoeForCausalLM"  # q/k/v bias (o_proj none), q/k norm if use_qk_norm, partial rotary
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
@@ -49,7 +51,7 @@ class ModelInfo:
     attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
     o_proj_bias: bool  # bias on o_proj (Llama/Qwen3 ``attention_bias``; never Qwen2/Mistral)
     mlp_bias: bool  # Llama ``mlp_bias``
-    qk_norm: bool  # Qwen3: per-head RMSNorm on q and k before RoPE
+    qk_norm: bool  # Qwen3 (GLM-4.5 with use_qk_norm): per-head RMSNorm on q and k before RoPE
     sliding_window: int | None  # None unless some layer uses it
     layer_sliding_windows: tuple[int | None, ...]  # per layer: its window, or None (full attention)
     dtype: torch.dtype | None  # the checkpoint's dtype, None if config.json does not say
@@ -62,6 +64,14 @@ class ModelInfo:
     moe_intermediate_size: int = 0  # one expert's intermediate size
     moe_layers: tuple[bool, ...] = ()  # per layer: its MLP is routed experts
     routing: RoutingConfig | None = None
+    shared_expert_intermediate_size: int = 0  # GLM-4.5: a dense MLP beside the routed experts (0: none)
+    rotary_dim: int | None = None  # the first dims of each q/k head that RoPE rotates (None: all head_dim)
+    num_mtp_layers: int = 0  # multi-token-prediction layers stored after the decoder's (not run)
+
+    @property
+    def rope_dim(self) -> int:
+        """The dims of each q/k head RoPE rotates (GLM-4.5: half of head_dim; the rest passes through)."""
+        return self.rotary_dim or self.head_dim
 
     @property
     def is_moe(self) -> bool:
@@ -101,6 +111,8 @@ class ModelInfo:
         qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
         mistral = arch in _MISTRAL_ATTENTION
         attn_bias = bool(cfg.get("attention_bias", False)) and not mistral
+        glm = arch == _GLM4_MOE
+        head_dim = int(cfg.get("head_dim") or hidden // heads)
         windows = _layer_windows(cfg, arch, num_layers)
         used = [w for w in windows if w is not None]
         return cls(
@@ -109,7 +121,7 @@ class ModelInfo:
             num_layers=num_layers,
             num_heads=heads,
             num_kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            head_dim=head_dim,
             hidden_size=hidden,
             intermediate_size=intermediate,
             vocab_size=vocab,
@@ -119,15 +131,17 @@ class ModelInfo:
             rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=qwen2 or attn_bias,
-            o_proj_bias=attn_bias and not qwen2,
+            o_proj_bias=attn_bias and not qwen2 and not glm,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-            qk_norm=arch in _QWEN3_ATTENTION,
+            qk_norm=arch in _QWEN3_ATTENTION or (glm and bool(cfg.get("use_qk_norm"))),
             sliding_window=max(used) if used else None,
             layer_sliding_windows=tuple(windows),
             dtype=_dtype(cfg.get("dtype") or cfg.get("torch_dtype"), source),
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
             bos_token_id=next((b for b in (cfg.get("bos_token_id"), gen.get("bos_token_id")) if b is not None), None),
             quantization_config=cfg.get("quantization_config") or None,
+            rotary_dim=_rotary_dim(cfg, arch, head_dim, source),
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if glm else 0,
             **_moe_fields(cfg, arch, num_layers, intermediate, source),
         )
 
@@ -152,6 +166,7 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
     legacy = dict(cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", legacy.pop("rope_theta", 10000.0))))
     scaling = params or legacy
+    scaling.pop("partial_rotary_factor", None)  # not a scaling: _rotary_dim reads it
     rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{source}: rope type {rope_type!r} is not supported ({', '.join(SUPPORTED_ROPE_TYPES)})")
@@ -160,6 +175,19 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
     scaling = {k: v for k, v in scaling.items() if k != "type"}
     scaling["rope_type"] = rope_type
     return theta, scaling
+
+
+def _rotary_dim(cfg: dict[str, Any], arch: str, head_dim: int, source: str) -> int | None:
+    """GLM-4.5's ``partial_rotary_factor`` (``rope_parameters`` or top level; transformers' default 0.5)
+    as a dim count; None (all of head_dim) for the other families."""
+    if arch != _GLM4_MOE:
+        return None
+    factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    dim = int(head_dim * float(0.5 if factor is None else factor))
+    if dim <= 0 or dim > head_dim or dim % 2:
+        raise ValueError(f"{source}: partial_rotary_factor {factor} gives rotary dim {dim}, which must be even "
+                         f"and in (0, head_dim={head_dim}]")
+    return None if dim == head_dim else dim
 
 
 def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> list[int | None]:
@@ -178,7 +206,7 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> list[int 
 
 def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int, source: str) -> dict[str, Any]:
     """The mixture-of-experts fields: which layers route, to how many experts of what size."""
-    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM"):
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", _GLM4_MOE):
         return {}
     try:
         routing = RoutingConfig.from_hf_config(cfg)
@@ -187,15 +215,20 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: i
     if arch == "MixtralForCausalLM":
         return dict(num_experts=routing.num_experts, num_experts_per_tok=routing.num_experts_per_tok,
                     moe_intermediate_size=intermediate, moe_layers=(True,) * num_layers, routing=routing)
-    dense = set(cfg.get("mlp_only_layers") or ())
-    step = int(cfg.get("decoder_sparse_step") or 1)
-    layers = tuple(i not in dense and routing.num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
     try:
         size = int(cfg["moe_intermediate_size"])
     except KeyError:
         raise ValueError(f"{source}: missing required key 'moe_intermediate_size'") from None
-    return dict(num_experts=routing.num_experts, num_experts_per_tok=routing.num_experts_per_tok,
-                moe_intermediate_size=size, moe_layers=layers, routing=routing)
+    fields = dict(num_experts=routing.num_experts, num_experts_per_tok=routing.num_experts_per_tok,
+                  moe_intermediate_size=size, routing=routing)
+    if arch == _GLM4_MOE:  # the first first_k_dense_replace layers dense; shared experts beside the routed
+        first, shared = (int(1 if cfg.get(k) is None else cfg[k]) for k in ("first_k_dense_replace", "n_shared_experts"))
+        return dict(fields, moe_layers=tuple(i >= first for i in range(num_layers)),
+                    shared_expert_intermediate_size=size * shared)
+    dense = set(cfg.get("mlp_only_layers") or ())
+    step = int(cfg.get("decoder_sparse_step") or 1)
+    layers = tuple(i not in dense and routing.num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))
+    return dict(fields, moe_layers=layers)
 
 
 def _dtype(name: str | None, source: str) -> torch.dtype | None:

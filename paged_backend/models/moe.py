@@ -5,7 +5,7 @@
 
 ``FusedMoE.forward(x, router_logits)`` = ``select_experts`` (``moe_routing.py``) then the MoE op
 (``fused_moe_ref`` by default; the model may pass the Triton kernel as ``moe_op``). The router's
-linear and any shared experts stay in the model: this module is the routed part only. With
+linear and any shared experts (a dense MLP the model builds) sit beside it in ``SparseMoeBlock``. With
 ``noaux_tc`` routing the module also holds the router's ``e_score_correction_bias`` [E] (float32).
 
 Tensor parallelism: with a ``TPGroup`` each rank holds I / tp of every expert's intermediate
@@ -234,13 +234,17 @@ class Router(nn.Module):
 
 
 class SparseMoeBlock(nn.Module):
-    """A decoder layer's MLP as routed experts: ``gate`` (the router) and ``experts`` (FusedMoE)."""
+    """A decoder layer's MLP as routed experts: ``gate`` (the router) and ``experts`` (FusedMoE),
+    plus the output of ``shared_experts`` (GLM-4.5: a dense MLP every token goes through) if given."""
 
     def __init__(self, routing: RoutingConfig, hidden_size: int, intermediate_size: int, dtype: torch.dtype,
-                 tp: TPGroup | None = None, moe_op: MoEOp = fused_moe_ref) -> None:
+                 tp: TPGroup | None = None, moe_op: MoEOp = fused_moe_ref,
+                 shared_experts: nn.Module | None = None) -> None:
         super().__init__()
         self.gate = Router(routing.num_experts, hidden_size, dtype)
         self.experts = FusedMoE(routing, hidden_size, intermediate_size, dtype, tp, moe_op)
+        self.shared_experts = shared_experts
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.experts(x, self.gate(x))
+        out = self.experts(x, self.gate(x))
+        return out if self.shared_experts is None else out + self.shared_experts(x)

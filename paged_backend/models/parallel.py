@@ -336,18 +336,22 @@ def o_proj(info: ModelInfo, dtype: torch.dtype, tp: TPGroup | None) -> FusedLine
     return RowParallelLinear(q_size, info.hidden_size, info.o_proj_bias, dtype, tp)
 
 
-def gate_up_proj(info: ModelInfo, dtype: torch.dtype, tp: TPGroup | None) -> FusedLinear:
-    i = info.intermediate_size
+def gate_up_proj(info: ModelInfo, dtype: torch.dtype, tp: TPGroup | None,
+                 intermediate_size: int | None = None) -> FusedLinear:
+    """gate|up of a dense MLP of ``intermediate_size`` features (default: the model's)."""
+    i = intermediate_size or info.intermediate_size
     if tp is None:
         return FusedLinear(info.hidden_size, (i, i), info.mlp_bias, dtype, (0, 1))
     part = split(i, tp, "intermediate_size")
     return ColumnParallelLinear(info.hidden_size, [part, part], info.mlp_bias, dtype, tp, (0, 1))
 
 
-def down_proj(info: ModelInfo, dtype: torch.dtype, tp: TPGroup | None) -> FusedLinear:
+def down_proj(info: ModelInfo, dtype: torch.dtype, tp: TPGroup | None,
+              intermediate_size: int | None = None) -> FusedLinear:
+    i = intermediate_size or info.intermediate_size
     if tp is None:
-        return FusedLinear(info.intermediate_size, (info.hidden_size,), info.mlp_bias, dtype)
-    return RowParallelLinear(info.intermediate_size, info.hidden_size, info.mlp_bias, dtype, tp)
+        return FusedLinear(i, (info.hidden_size,), info.mlp_bias, dtype)
+    return RowParallelLinear(i, info.hidden_size, info.mlp_bias, dtype, tp)
 
 
 def embed_tokens(info: ModelInfo, dtype: torch.dtype, tp: TPGroup | None) -> nn.Module:

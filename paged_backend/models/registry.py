@@ -18,6 +18,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,  # a Qwen3 whose MLPs are routed experts
     "MixtralForCausalLM": LlamaForCausalLM,  # a Mistral whose MLPs are routed experts
+    "Glm4MoeForCausalLM": LlamaForCausalLM,  # routed + shared experts after dense layers, partial rotary
 }
 
 

@@ -4,6 +4,11 @@
     gate_proj | up_proj           -> gate_up_proj (shards 0, 1)
     mlp.experts.{e}.<proj>        -> mlp.experts.w13 | w2 (shards (proj, e); models/moe.py's layouts)
     block_sparse_moe.gate         -> mlp.gate (Mixtral's router)
+    mlp.gate.e_score_correction_bias -> mlp.experts.e_score_correction_bias (GLM-4.5's routing bias)
+    mlp.shared_experts.<proj>     -> as a dense MLP's (GLM-4.5)
+    model.layers.{L + i}.*        -> skipped: the i-th multi-token-prediction layer after the L decoder
+                                     layers (GLM-4.5 num_nextn_predict_layers; kept in the checkpoint
+                                     for speculative decoding, which does not run it yet)
     *.k_scale / v_scale / kv_scale -> the attention's fp8 KV-scale buffers
 
 Each tensor goes through its parameter's ``weight_loader``; unknown names and shape mismatches
@@ -35,12 +40,15 @@ _KV_SCALE = re.compile(
     r"|^(?P<prefix2>.*\.self_attn)\.(?P<which2>k|v)_proj\.output_scale$"
 )
 _IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-_LAYER_PREFIX = re.compile(r"^model\.layers\.\d+\.")
+_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
+_CORRECTION_BIAS = (".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias")
 
 
 def checkpoint_names(param_name: str) -> list[str]:
     """The HF tensor names that load ``param_name`` (several for a fused parameter)."""
     names = [param_name.replace(fused, orig) for fused, orig, _ in STACKED_PARAMS if fused in param_name]
+    if param_name.endswith(_CORRECTION_BIAS[1]):
+        names = [param_name.replace(_CORRECTION_BIAS[1], _CORRECTION_BIAS[0])]
     return names or [param_name]
 
 
@@ -55,6 +63,8 @@ def load_checkpoint_tensors(model: nn.Module, info: ModelInfo, weights: Iterable
             continue
         if info.tie_word_embeddings and name.startswith("lm_head."):
             continue  # the tied lm_head is embed_tokens
+        if _is_mtp_layer(info, name):
+            continue  # a multi-token-prediction layer: for speculative decoding, not run yet
         m = _KV_SCALE.match(name)
         if m:
             prefix, which = m["prefix"] or m["prefix2"], m["which"] or m["which2"]
@@ -73,6 +83,8 @@ def _target(info: ModelInfo, name: str) -> tuple[str, object]:
         return expert
     if info.is_moe:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router
+        if name.endswith(_CORRECTION_BIAS[0]):  # the router's bias is FusedMoE's (it only selects)
+            return name.replace(*_CORRECTION_BIAS), None
     for fused, orig, shard_id in STACKED_PARAMS:
         if orig in name:
             return name.replace(orig, fused), shard_id
@@ -92,6 +104,12 @@ def _expert_shard(info: ModelInfo, name: str) -> tuple[str, MoEShardId] | None:
         if found is not None:
             return f"{prefix}.mlp.experts.{found[0]}", found[1]
     return None
+
+
+def _is_mtp_layer(info: ModelInfo, name: str) -> bool:
+    """A tensor of one of the multi-token-prediction layers stored after the decoder layers."""
+    layer = _LAYER_PREFIX.match(name) if info.num_mtp_layers else None
+    return layer is not None and info.num_layers <= int(layer[1]) < info.num_layers + info.num_mtp_layers
 
 
 def _load_into(params: dict[str, nn.Parameter], seen: dict[str, set], name: str, pname: str, shard,

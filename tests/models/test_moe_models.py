@@ -1,5 +1,5 @@
-"""Mixture-of-experts families end to end: tiny random Qwen3-MoE and Mixtral checkpoints saved by
-transformers itself; the engine's greedy tokens equal transformers' ``generate`` in fp32, whatever
+"""Mixture-of-experts families end to end: tiny random Qwen3-MoE, Mixtral and GLM-4.5 MoE checkpoints
+saved by transformers itself; the engine's greedy tokens equal transformers' ``generate`` in fp32, whatever
 the batching, chunking, prefix caching or preemption; bad checkpoints fail at load naming the tensor."""
 
 from __future__ import annotations
@@ -28,16 +28,38 @@ FAMILIES = {
                                               norm_topk_prob=True, mlp_only_layers=[0], num_hidden_layers=3)),
     # every layer routed; 8 experts, top-2
     "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2, intermediate_size=32)),
+    # a dense first layer, then sigmoid routing with a correction bias over 2 groups (1 kept), a shared
+    # expert, half of each head rotated, q/k norm, q/k/v bias and one (skipped) MTP layer
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                                            n_group=2, topk_group=1, routed_scaling_factor=2.5, n_shared_experts=1,
+                                            first_k_dense_replace=1, partial_rotary_factor=0.5, use_qk_norm=True,
+                                            attention_bias=True, num_nextn_predict_layers=1)),
 }
+ROUTED = {"qwen3_moe": (False, True, True), "mixtral": (True, True), "glm4_moe": (False, True)}
 
 
 def _scale_routers(path: Path, factor: float = 8.0) -> None:
-    """Routers' weights scaled up, so no routing decision of the test prompts is a near-tie."""
+    """Routers' weights scaled up, so no routing decision of the test prompts is a near-tie; a random
+    routing-correction bias where the router has one (saved as zeros)."""
     tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
     for name, t in tensors.items():
         if name.endswith(".gate.weight"):
             tensors[name] = t * factor
+        if name.endswith(".gate.e_score_correction_bias"):
+            tensors[name] = 0.5 * torch.randn(t.shape, generator=gen)
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+
+
+def _add_mtp_layer(path: Path) -> None:
+    """A multi-token-prediction layer's tensors after the decoder layers, as GLM-4.5 checkpoints store
+    them (transformers' save_pretrained writes none); the engine skips them."""
+    tensors = load_file(path / "model.safetensors")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    last = f"model.layers.{layers - 1}."
+    mtp = {f"model.layers.{layers}." + n.removeprefix(last): t.clone() for n, t in tensors.items() if n.startswith(last)}
+    mtp[f"model.layers.{layers}.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -50,6 +72,8 @@ def family(request, tmp_path_factory) -> tuple[Path, list[list[int]]]:
     for ids in PROMPTS:
         out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
         expected.append(out[0, len(ids):].tolist())
+    if overrides.get("num_nextn_predict_layers"):
+        _add_mtp_layer(path)
     return path, expected
 
 
@@ -76,8 +100,20 @@ def test_model_info_reads_the_experts(family) -> None:
     info = ModelInfo.from_dir(path)
     assert (info.num_experts, info.num_experts_per_tok, info.moe_intermediate_size) == (8, 2, 32)
     cfg = json.loads((path / "config.json").read_text())
-    routed = (False, True, True) if cfg["model_type"] == "qwen3_moe" else (True, True)
-    assert info.moe_layers == routed and info.routing is not None and info.routing.norm_topk_prob
+    assert info.moe_layers == ROUTED[cfg["model_type"]] and info.routing is not None and info.routing.norm_topk_prob
+
+
+@pytest.mark.parametrize("family", ["glm4_moe"], indirect=True)
+def test_glm4_moe_reads_shared_experts_partial_rotary_and_mtp(family) -> None:
+    """GLM-4.5's extras reach ModelInfo: the shared experts' size, half of each head rotated, q/k norm,
+    q/k/v bias without o_proj bias, the routing bias and the MTP layer count."""
+    path, _ = family
+    info = ModelInfo.from_dir(path)
+    assert (info.shared_expert_intermediate_size, info.rope_dim, info.head_dim, info.num_mtp_layers) == (32, 8, 16, 1)
+    assert info.qk_norm and info.attention_bias and not info.o_proj_bias and info.rope_scaling is None
+    assert info.routing is not None and info.routing.uses_correction_bias
+    assert (info.routing.n_group, info.routing.topk_group, info.routing.routed_scaling_factor) == (2, 1, 2.5)
+    assert any(n.startswith(f"model.layers.{info.num_layers}.") for n in load_file(path / "model.safetensors"))
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_seqs": 1}, {"max_num_batched_tokens": 16}],
