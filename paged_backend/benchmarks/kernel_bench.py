@@ -117,3 +117,15 @@ class Bench:
             print(f"| {r.group} | {r.name} | {r.ms:.4f} | {r.value:.1f} {r.metric} | {r.target}{flag} |")
         if self.failures:
             print(f"\nCHECKS FAILED: {', '.join(self.failures)}")
+
+
+def add_attention_grid_args(p: argparse.ArgumentParser) -> None:
+    """The paged-attention grid's flags, shared by ``bench kernels`` and ``bench peer``."""
+    p.add_argument("--batches", default="1,8,64,256", help="decode batch sizes")
+    p.add_argument("--contexts", default="512,4096,32768", help="decode context lengths")
+    p.add_argument("--prefill-lens", default="2048,8192", help="causal prefill lengths")
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--peak-bw", type=float, default=4.2e12, help="bandwidth the decode target is 80%% of")

@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict
 
 from paged_backend.benchmarks import kernels_attention, kernels_elementwise
-from paged_backend.benchmarks.kernel_bench import Bench
+from paged_backend.benchmarks.kernel_bench import Bench, add_attention_grid_args
 from paged_backend.benchmarks.results import run_header, versions
 
 GROUPS = ["ceilings", "decode", "prefill", "elementwise", "int4"]
@@ -44,16 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="paged-backend bench kernels", description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=GROUPS, default=None,
                    help="run only these groups (ceilings always run: the others are judged against them)")
-    p.add_argument("--batches", default="1,8,64,256", help="decode batch sizes")
-    p.add_argument("--contexts", default="512,4096,32768", help="decode context lengths")
-    p.add_argument("--prefill-lens", default="2048,8192", help="causal prefill lengths")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
+    add_attention_grid_args(p)
     p.add_argument("--tokens", type=int, default=8192, help="elementwise kernels: tokens")
     p.add_argument("--hidden", type=int, default=4096, help="elementwise kernels: hidden size")
-    p.add_argument("--peak-bw", type=float, default=4.2e12, help="bandwidth the decode target is 80%% of")
     p.add_argument("--sweep", action="store_true", help="also time split counts and tile configs")
     p.add_argument("--variants", action="store_true",
                    help="decode/prefill: time the paged-attention code-path variants side by side instead of "

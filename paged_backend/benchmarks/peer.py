@@ -31,7 +31,7 @@ import math
 import sys
 import time
 
-from paged_backend.benchmarks.kernel_bench import Bench
+from paged_backend.benchmarks.kernel_bench import Bench, add_attention_grid_args
 from paged_backend.benchmarks.results import Row, parse_ints, run_header
 from paged_backend.benchmarks.timing import GIB, copies_to_touch
 
@@ -47,16 +47,9 @@ def build_parser(prog: str = "paged-backend bench peer") -> argparse.ArgumentPar
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--only", nargs="+", choices=["decode", "prefill", "int4"], default=None)
-    p.add_argument("--batches", default="1,8,64,256", help="decode batch sizes")
-    p.add_argument("--contexts", default="512,4096,32768", help="decode context lengths")
-    p.add_argument("--prefill-lens", default="2048,8192")
+    add_attention_grid_args(p)
     p.add_argument("--m", default="1,16,64,256", help="int4: activation rows")
     p.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096", help="int4: K x N")
-    p.add_argument("--heads", type=int, default=32)
-    p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--head-dim", type=int, default=128)
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--peak-bw", type=float, default=4.2e12)
     p.add_argument("--replays", type=int, default=20)
 
 

@@ -194,10 +194,6 @@ class FusedMoE(nn.Module):
 
     # -- checkpoint names -------------------------------------------------------------------
 
-    def checkpoint_expert_names(self, prefix: str, style: str) -> Iterator[tuple[str, str, MoEShardId]]:
-        """``checkpoint_expert_names`` for this layer's expert count."""
-        return checkpoint_expert_names(prefix, self.num_experts, style)
-
     def parse_expert_name(self, name: str, prefix: str, style: str) -> tuple[str, MoEShardId] | None:
         """``parse_expert_name`` for this layer's expert count."""
         return parse_expert_name(name, prefix, self.num_experts, style)
