@@ -1,4 +1,4 @@
-"""``paged-backend`` command line: ``generate`` and ``bench {throughput,serve,kernels,quant,peer}``.
+"""``paged-backend`` command line: ``generate`` and ``bench {throughput,serve,kernels,quant,peer,moe}``.
 
 Engine flags use vLLM's names (``--max-num-seqs``, ``--kv-cache-dtype fp8`` ...); each
 maps one to one onto an :class:`EngineConfig` field.
@@ -55,6 +55,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
+    from paged_backend.benchmarks.moe import add_moe_parser
     from paged_backend.benchmarks.peer import add_peer_parser
     from paged_backend.benchmarks.quant import add_quant_parser
     from paged_backend.benchmarks.serve import add_serve_parser
@@ -64,6 +65,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_quant_parser(bsub)
     add_peer_parser(bsub)
     add_serve_parser(bsub)
+    add_moe_parser(bsub)
     # its own parser takes every argument after it (--help too)
     k = bsub.add_parser("kernels", help="check, then time the Triton kernels (CUDA)", add_help=False)
     k.set_defaults(func=_cmd_bench_kernels, passthrough=True)
