@@ -13,8 +13,9 @@ import torch
 from paged_backend.models.layers import ModelOps, reference_ops
 
 
+@functools.cache
 def triton_ops() -> ModelOps:
-    """The Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``)."""
+    """The Triton kernels (CUDA tensors, or CPU tensors under ``TRITON_INTERPRET=1``); one set per process."""
     from paged_backend.kernels.activation import silu_and_mul
     from paged_backend.kernels.fused_moe import fused_moe
     from paged_backend.kernels.rms_norm import rms_norm
