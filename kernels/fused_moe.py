@@ -34,8 +34,8 @@ contiguous [K, H] blocks and no un-permute pass is needed.
 
 Variants (chosen by ``MoEConfig.BLOCK_M``):
 
-``sorted`` (BLOCK_M >= 16, tensor cores): ``moe_align_block_size`` groups the pairs by expert,
-pads each expert's group to a multiple of BLOCK_M with the sentinel M*K and lists one expert
+``sorted`` (BLOCK_M >= 16, tensor cores): ``moe_align_block_size`` (three small Triton launches:
+count, scan, scatter) groups the pairs by expert, pads each expert's group to a multiple of BLOCK_M with the sentinel M*K and lists one expert
 per BLOCK_M tile; experts without tokens get no tiles. The grid is sized for the most tiles
 the shapes allow (M*K + min(E, M*K) * (BLOCK_M - 1) padded rows), and programs past
 ``num_tokens_post_padded`` (a device scalar) exit at once: no host synchronisation anywhere,
@@ -45,7 +45,7 @@ share one expert's weight slice run together, for L2 reuse).
 
 ``pairs`` (BLOCK_M = 1, no sort): one program per (pair, BLOCK_N slice), the expert read straight
 from ``topk_ids``, the product a GEMV on the FMA units (``tl.dot`` needs 16 rows). At decode,
-M*K is a handful of pairs that mostly hit distinct experts: the sort would be five or six small
+M*K is a handful of pairs that mostly hit distinct experts: the alignment would be three more
 launches around a memory-bound GEMM and its 16-row tiles would be nearly empty, while every
 pair's weight slice is read once either way. ``pick_config`` takes it while
 M*K <= min(PAIRS_MAX, E) (at most about one pair per expert).
@@ -58,8 +58,10 @@ size I, K the hidden size H) has a decode and a prefill default and consults an 
 table: ``load_config_table(path)`` reads a JSON file named like vLLM's
 (``config_file_name(E, N, device_name)`` -> ``E=8,N=14336,device_name=NVIDIA_H200.json``) mapping
 a token count M to ``{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M",
-"num_warps", "num_stages"}``; the entry of the nearest M is used. The layer loads its table once
-and passes ``pick_config(..., table=table)`` as ``config``.
+"num_warps", "num_stages"}``; the entry of the nearest M is used. ``fused_moe(config=None)`` on a
+CUDA bf16/fp16 input looks the table up by (E, N, the device's name) in
+``$PAGED_BACKEND_MOE_CONFIG_DIR``, then in ``kernels/fused_moe_configs/`` (tables written by
+``paged-backend bench moe --tune``; read once per process), and falls back to the defaults.
 
 Host work per call: the checks (with ``check=True`` the id range check is one host sync, skipped
 while a CUDA graph is captured), the routing (torch ops on the device), three buffers and the
@@ -68,6 +70,7 @@ launches.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import dataclass, replace
@@ -84,6 +87,7 @@ from paged_backend.kernels._launch import (
     next_pow2,
 )
 from paged_backend.kernels.activation import silu_and_mul
+from paged_backend.kernels.fused_moe_ref import padded_capacity
 
 PAIRS_MAX = 16  # pick_config: the unsorted pairs path for up to this many (token, slot) pairs (and <= E)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -136,11 +140,37 @@ def config_file_name(num_experts: int, intermediate: int, device_name: str, dtyp
     return f"E={num_experts},N={intermediate},device_name={device_name.replace(' ', '_')}{selector}.json"
 
 
+CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_moe_configs")
+CONFIG_DIR_ENV = "PAGED_BACKEND_MOE_CONFIG_DIR"
+
+
 def load_config_table(path: str | os.PathLike) -> dict[int, MoEConfig]:
     """A tuning table: JSON mapping token counts to vLLM-format entries (see the module docstring)."""
     with open(path) as f:
         raw = json.load(f)
     return {int(m): MoEConfig.from_vllm(entry) for m, entry in raw.items()}
+
+
+@functools.cache
+def tuned_table(num_experts: int, intermediate: int, device_name: str) -> dict[int, MoEConfig] | None:
+    """The tuned table for this shape and device (module docstring), or None where there is none."""
+    name = config_file_name(num_experts, intermediate, device_name)
+    for folder in (os.environ.get(CONFIG_DIR_ENV), CONFIG_DIR):
+        if folder and os.path.isfile(os.path.join(folder, name)):
+            return load_config_table(os.path.join(folder, name))
+    return None
+
+
+@functools.cache
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def table_for(x: torch.Tensor, num_experts: int, intermediate: int) -> dict[int, MoEConfig] | None:
+    """The tuned table ``fused_moe`` uses for activations ``x`` (CUDA bf16/fp16 only), if any."""
+    if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or interpreting():
+        return None
+    return tuned_table(num_experts, intermediate, _device_name(x.device.index or 0))
 
 
 _DECODE = MoEConfig(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
@@ -177,43 +207,79 @@ def pick_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, *, top_k: in
 # -- routing ---------------------------------------------------------------------------------------
 
 
-def _padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Most sorted rows any routing of these shapes needs, rounded up to whole tiles."""
-    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
-    return triton.cdiv(rows, block_m) * block_m
-
-
 def moe_align_block_size(
     topk_ids: torch.Tensor, block_m: int, num_experts: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Group the M*K (token, slot) pairs by expert in BLOCK_M tiles, with torch ops on the device.
+    """Group the M*K (token, slot) pairs by expert in BLOCK_M tiles: three small Triton launches.
 
-    Returns int32 ``sorted_token_ids`` [C] (pair ids p = m*K + k, expert by expert in pair order,
-    each expert's run padded to a multiple of ``block_m`` with the sentinel M*K), ``expert_ids``
-    [C / block_m] (each tile's expert; -1 for tiles past the end) and ``num_tokens_post_padded``
-    [1] (the used length of ``sorted_token_ids``). C = ``_padded_capacity``: fixed by the
-    shapes, so nothing is read back to the host. Ids must lie in [0, num_experts).
+    Returns int32 ``sorted_token_ids`` [C] (pair ids p = m*K + k, expert by expert, each expert's
+    run padded to a multiple of ``block_m`` with the sentinel M*K), ``expert_ids`` [C / block_m]
+    (each tile's expert; -1 for tiles past the end) and ``num_tokens_post_padded`` [1] (the used
+    length of ``sorted_token_ids``). C = ``padded_capacity``: fixed by the shapes, so nothing is
+    read back to the host. Ids must lie in [0, num_experts).
+
+    The same tiles as ``fused_moe_ref.moe_align_block_size_ref``, except that the pairs inside an
+    expert's run come in the order the scatter's atomics hand out slots (each row's product does
+    not depend on the others in its tile, so the MoE output is the same)::
+
+        _align_count    every program: its share of sorted_token_ids set to the sentinel, and
+                        counts[e] += 1 per pair (atomics)
+        _align_offsets  one program: runs padded to whole tiles, their starts (an exclusive scan)
+                        as the scatter's cursors, the used length, and each tile's expert
+        _align_scatter  every program: slot = cursor[e]++ (atomics) per pair; sorted[slot] = p
     """
-    flat = topk_ids.reshape(-1).to(torch.int64)
+    flat = topk_ids.reshape(-1)
     num_pairs = flat.numel()
     device = flat.device
-    capacity = _padded_capacity(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
-    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host-side max
-    padded = (counts + block_m - 1) // block_m * block_m
-    ends = torch.cumsum(padded, 0)
-    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in pair order
-    sorted_experts = flat[order]
-    first_pair = torch.cumsum(counts, 0) - counts  # rank of each expert's first pair in ``order``
-    rank = torch.arange(num_pairs, device=device) - first_pair[sorted_experts]
-    dest = (ends - padded)[sorted_experts] + rank
-    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
-    sorted_ids.scatter_(0, dest, order.to(torch.int32))
-    tile_start = torch.arange(0, capacity, block_m, device=device)
-    expert_ids = torch.searchsorted(ends, tile_start, right=True)
-    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
-    num_post_padded = ends[-1:].to(torch.int32) if num_experts else torch.zeros(1, dtype=torch.int32, device=device)
+    capacity = padded_capacity(num_pairs, num_experts, block_m)
+    num_tiles = capacity // block_m
+    sorted_ids = torch.empty((capacity,), dtype=torch.int32, device=device)
+    expert_ids = torch.empty((num_tiles,), dtype=torch.int32, device=device)
+    num_post_padded = torch.empty((1,), dtype=torch.int32, device=device)
+    counts = torch.zeros((2, num_experts), dtype=torch.int32, device=device)  # counts, then cursors
+    chunk = 1024
+    grid = (triton.cdiv(max(capacity, num_pairs), chunk),)
+    _align_count_kernel[grid](flat, sorted_ids, counts, num_pairs, capacity, CHUNK=chunk)
+    e_pow2 = next_pow2(max(num_experts, 2))
+    _align_offsets_kernel[(1,)](counts, counts[1], expert_ids, num_post_padded, num_experts, num_tiles,
+                                BLOCK_M=block_m, E_POW2=e_pow2, TILES=max(1, min(128, 16384 // e_pow2)))
+    _align_scatter_kernel[(triton.cdiv(num_pairs, chunk),)](flat, sorted_ids, counts[1], num_pairs, CHUNK=chunk)
     return sorted_ids, expert_ids, num_post_padded
+
+
+@triton.jit(do_not_specialize=["num_pairs", "capacity"])
+def _align_count_kernel(ids_ptr, sorted_ptr, counts_ptr, num_pairs, capacity, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    tl.store(sorted_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + num_pairs, mask=offs < capacity)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    tl.atomic_add(counts_ptr + expert, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
+
+
+@triton.jit(do_not_specialize=["num_tiles"])
+def _align_offsets_kernel(counts_ptr, cursor_ptr, experts_ptr, ntpp_ptr, num_experts, num_tiles,
+                          BLOCK_M: tl.constexpr, E_POW2: tl.constexpr, TILES: tl.constexpr):
+    e = tl.arange(0, E_POW2)
+    counts = tl.load(counts_ptr + e, mask=e < num_experts, other=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, 0)
+    tl.store(cursor_ptr + e, ends - padded, mask=e < num_experts)
+    tl.store(ntpp_ptr, tl.sum(padded, 0))
+    for t0 in range(0, num_tiles, TILES):
+        t = t0 + tl.arange(0, TILES)
+        # a tile's expert: how many runs end at or before its first row (experts past E end at the
+        # total, so tiles past the used length count them all and get -1)
+        expert = tl.sum((ends[None, :] <= (t * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(experts_ptr + t, tl.where(expert < num_experts, expert, -1), mask=t < num_tiles)
+
+
+@triton.jit(do_not_specialize=["num_pairs"])
+def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, num_pairs, CHUNK: tl.constexpr):
+    offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
+    ok = offs < num_pairs
+    expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    slot = tl.atomic_add(cursor_ptr + expert, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
+    tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=ok)
 
 
 @dataclass(frozen=True)
@@ -256,7 +322,7 @@ def _load_k(ptrs, mask, k_ok, EVEN_K: tl.constexpr):
     return t
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])  # batch sizes only: one compile for all
 def _moe_gemm_kernel(
     a_ptr,  # [T, Kd]: pair p reads row p // PAIRS_PER_ROW
     w_ptr,  # [E, N, Kd], last dim contiguous
@@ -402,8 +468,8 @@ def fused_moe(
 ) -> torch.Tensor:  # [M, H], x.dtype
     """The routed experts' SwiGLU MLPs summed over each token's top-k slots (module docstring).
 
-    ``config=None`` uses ``pick_config`` (untuned defaults). ``check=False`` skips the argument
-    checks, among them the id range check's host sync (the layer checks its weights at load;
+    ``config=None`` uses ``pick_config`` with this device's tuned table where one exists.
+    ``check=False`` skips the argument checks, among them the id range check's host sync (the layer checks its weights at load;
     out-of-range ids are then undefined behaviour).
     """
     if check:
@@ -415,7 +481,8 @@ def fused_moe(
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)
     if pairs == 0:
         return out.zero_()
-    config = config or pick_config(m, num_experts, two_i // 2, h, x.dtype, top_k=top_k)
+    config = config or pick_config(m, num_experts, two_i // 2, h, x.dtype, top_k=top_k,
+                                   table=table_for(x, num_experts, two_i // 2))
     routing = route(topk_ids, num_experts, config)
     weights = topk_weights.reshape(-1)
     inter1 = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)

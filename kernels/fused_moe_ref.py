@@ -93,3 +93,46 @@ def fused_moe_ref(
             y = _expert_mlp(xe, w13[expert], w2[expert], acc_dtype) * weights
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
+
+
+# -- the expert alignment of the sorted kernel path -------------------------------------------------
+
+
+def padded_capacity(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Most sorted rows any routing of these shapes needs, rounded up to whole tiles."""
+    rows = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return -(-rows // block_m) * block_m
+
+
+def moe_align_block_size_ref(
+    topk_ids: torch.Tensor, block_m: int, num_experts: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Group the M*K (token, slot) pairs by expert in BLOCK_M tiles, with torch ops (the reference of
+    ``fused_moe.moe_align_block_size``, whose runs hold the same pairs in another order).
+
+    Returns int32 ``sorted_token_ids`` [C] (pair ids p = m*K + k, expert by expert in pair order,
+    each expert's run padded to a multiple of ``block_m`` with the sentinel M*K), ``expert_ids``
+    [C / block_m] (each tile's expert; -1 for tiles past the end) and ``num_tokens_post_padded``
+    [1] (the used length of ``sorted_token_ids``). C = ``padded_capacity``: fixed by the
+    shapes, so nothing is read back to the host. Ids must lie in [0, num_experts).
+    """
+    flat = topk_ids.reshape(-1).to(torch.int64)
+    num_pairs = flat.numel()
+    device = flat.device
+    capacity = padded_capacity(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount without its host-side max
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = torch.cumsum(padded, 0)
+    order = torch.argsort(flat, stable=True)  # pairs grouped by expert, in pair order
+    sorted_experts = flat[order]
+    first_pair = torch.cumsum(counts, 0) - counts  # rank of each expert's first pair in ``order``
+    rank = torch.arange(num_pairs, device=device) - first_pair[sorted_experts]
+    dest = (ends - padded)[sorted_experts] + rank
+    sorted_ids = torch.full((capacity,), num_pairs, dtype=torch.int32, device=device)
+    sorted_ids.scatter_(0, dest, order.to(torch.int32))
+    tile_start = torch.arange(0, capacity, block_m, device=device)
+    expert_ids = torch.searchsorted(ends, tile_start, right=True)
+    expert_ids = torch.where(expert_ids < num_experts, expert_ids, -1).to(torch.int32)
+    num_post_padded = ends[-1:].to(torch.int32) if num_experts else torch.zeros(1, dtype=torch.int32, device=device)
+    return sorted_ids, expert_ids, num_post_padded

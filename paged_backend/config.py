@@ -19,6 +19,8 @@ class EngineConfig(BaseModel):
 
     model: str = Field("SmolLM2-135M-Instruct", description="HF model dir or the default model's name")
     tokenizer: str | None = None
+    skip_tokenizer_init: bool = Field(False, description="load no tokenizer: token-id prompts only, outputs "
+                                      "without text (vLLM's flag)")
     served_model_name: str | None = None
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     device: Literal["auto", "cpu", "cuda"] = "auto"

@@ -37,6 +37,7 @@ _ENGINE_BOOLS = {
     "--calculate-kv-scales": ("calculate_kv_scales", True),
     "--disable-log-stats": ("disable_log_stats", True),
     "--enforce-eager": ("enforce_eager", True),
+    "--skip-tokenizer-init": ("skip_tokenizer_init", True),
     "--async-scheduling": ("async_scheduling", True),
     "--no-async-scheduling": ("async_scheduling", False),
 }

@@ -14,6 +14,11 @@ be read against what the best-known kernel reaches::
     int4     W4A16 GEMM, group 128, M x (K x N) as ``bench quant``: ours, Machete (vLLM's kernel
              for GPTQ / compressed-tensors W4A16 on Hopper) and GPTQ-Marlin (both symmetric uint4b8,
              what sym GPTQ checkpoints hold), and bf16 cuBLAS
+    moe      the routed experts of one MoE layer, bf16, E experts top-k, expert intermediate N,
+             hidden H (``--moe-shapes E x N x H x k``; Qwen3-30B-A3B's and DeepSeek-V2-Lite's by
+             default) at M tokens: ours (``fused_moe``, this device's tuned table where one
+             exists) and vLLM's ``fused_experts`` (its Triton kernel with its own tables), on the
+             same softmax top-k routing; the weight bandwidth counts the experts the batch touches
 
 Every kernel is checked against a torch reference before it is timed (attention:
 ``paged_attention_ref``, for fp8 on the e4m3-rounded q FA3 gets; int4: x times the kernel's
@@ -35,6 +40,7 @@ from paged_backend.benchmarks.kernel_bench import Bench, add_attention_grid_args
 from paged_backend.benchmarks.results import Row, parse_ints, run_header
 from paged_backend.benchmarks.timing import GIB, copies_to_touch
 
+GROUPS = ("decode", "prefill", "int4", "moe")
 PEER_TOL = 2e-2  # relative error against the reference
 PEER_TOL_FP8 = 5e-2  # FA3 with fp8 KV also rounds P to e4m3 for the PV product (~2.4e-2 measured)
 
@@ -46,16 +52,19 @@ def build_parser(prog: str = "paged-backend bench peer") -> argparse.ArgumentPar
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--only", nargs="+", choices=["decode", "prefill", "int4"], default=None)
+    p.add_argument("--only", nargs="+", choices=GROUPS, default=None)
     add_attention_grid_args(p)
     p.add_argument("--m", default="1,16,64,256", help="int4: activation rows")
     p.add_argument("--shapes", default="4096x4096,4096x14336,14336x4096", help="int4: K x N")
+    p.add_argument("--moe-shapes", default="128x768x2048x8,64x1408x2048x6",
+                   help="moe: E x N x H x top-k (experts, expert intermediate, hidden, experts per token)")
+    p.add_argument("--moe-m", default="1,16,64,256,4096", help="moe: tokens per call")
     p.add_argument("--replays", type=int, default=20)
 
 
 def add_peer_parser(sub) -> None:
     """Registers ``bench peer`` on the ``paged-backend bench`` subparsers."""
-    p = sub.add_parser("peer", help="vLLM's attention and int4 kernels beside ours (CUDA, vLLM importable)")
+    p = sub.add_parser("peer", help="vLLM's attention, int4 and MoE kernels beside ours (CUDA, vLLM importable)")
     add_arguments(p)
     p.set_defaults(func=lambda args: run(args))
 
@@ -279,6 +288,52 @@ class PeerBench(Bench):
         if peers and "ours" in times:
             self.pair(cell, times["ours"], *min(peers))
 
+    # -- moe ------------------------------------------------------------------------------
+
+    def moe(self) -> None:
+        for shape in self.args.moe_shapes.split(","):
+            e, n, h, k = (int(v) for v in shape.lower().split("x"))
+            self._moe_shape(e, n, h, k)
+            self.torch.cuda.empty_cache()
+
+    def _moe_shape(self, e: int, n: int, h: int, k: int) -> None:
+        torch = self.torch
+        from vllm.model_executor.layers.fused_moe import fused_experts
+
+        from paged_backend.kernels.fused_moe import fused_moe, table_for
+        from paged_backend.kernels.fused_moe_ref import fused_moe_ref
+
+        gen = torch.Generator(device=self.dev).manual_seed(e * n)
+        w13 = (torch.randn(e, 2 * n, h, device=self.dev, generator=gen) * h**-0.5).to(torch.bfloat16)
+        w2 = (torch.randn(e, h, n, device=self.dev, generator=gen) * n**-0.5).to(torch.bfloat16)
+        expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
+        print(f"  moe E {e} N {n} H {h} top-{k}: ours {'tuned' if table_for(w13, e, n) else 'untuned'}", flush=True)
+        for m in parse_ints(self.args.moe_m):
+            # rotating routings: each copy touches other experts, so a replay cannot run from L2
+            sets = []
+            for _ in range(copies_to_touch(min(m * k, e) * expert_bytes, GIB, 8, 2)):
+                x = torch.randn(m, h, device=self.dev, generator=gen).to(torch.bfloat16)
+                weights, ids = torch.topk(torch.randn(m, e, device=self.dev, generator=gen).softmax(-1), k, dim=-1)
+                weights = (weights / weights.sum(-1, keepdim=True)).float().contiguous()
+                sets.append((x, weights, ids.contiguous(), ids.to(torch.int32).contiguous()))
+            x, tw, ids, ids32 = sets[0]
+            cell = f"moe E={e} N={n} k={k} M={m}"
+            ref = fused_moe_ref(x, w13, w2, tw, ids)
+            if not (self.check(f"{cell} ours", fused_moe(x, w13, w2, tw, ids), ref, PEER_TOL)
+                    and self.check(f"{cell} vLLM", fused_experts(x, w13, w2, tw, ids32), ref, PEER_TOL)):
+                continue
+            t = {
+                "ours": self.time_graph_ms([lambda s=s: fused_moe(s[0], w13, w2, s[1], s[2], check=False)
+                                            for s in sets], self.args.replays),
+                "vLLM fused_experts": self.time_graph_ms([lambda s=s: fused_experts(s[0], w13, w2, s[1], s[3])
+                                                          for s in sets], self.args.replays),
+            }
+            touched = sum(int(torch.unique(s[2]).numel()) for s in sets) / len(sets)
+            for who, ms in t.items():
+                self.add(Row("moe", f"E={e} N={n} k={k} M={m:<4} {who}", ms, "TB/s",
+                             touched * expert_bytes / (ms * 1e-3) / 1e12, f"{touched:.0f} experts touched"))
+            self.pair(cell, t["ours"], t["vLLM fused_experts"], "vLLM fused_experts")
+
     # -- report ---------------------------------------------------------------------------
 
     def report(self) -> None:
@@ -303,7 +358,7 @@ def run(args: argparse.Namespace) -> int:
         return 2
     bench = PeerBench(args)
     print(run_header(torch.cuda.get_device_name(), before_date=(f"vllm {vllm.__version__}",)), flush=True)
-    for g in args.only or ["decode", "prefill", "int4"]:
+    for g in args.only or GROUPS:
         t0 = time.time()
         getattr(bench, g)()
         print(f"  [{g} took {time.time() - t0:.0f} s]", flush=True)

@@ -52,7 +52,8 @@ class LLMEngine:
         self.info = ModelInfo.from_dir(model_dir)
         self.device = _resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.info, self.device)
-        self.tokenizer = load_tokenizer(config.tokenizer or model_dir, required=config.load_format != "dummy")
+        self.tokenizer = None if config.skip_tokenizer_init else load_tokenizer(
+            config.tokenizer or model_dir, required=config.load_format != "dummy")
         limits = resolve_limits(config, self.info.max_position_embeddings, self.device)
         self.max_model_len = limits.max_model_len
         self.max_num_seqs = limits.max_num_seqs

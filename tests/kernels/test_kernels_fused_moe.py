@@ -9,10 +9,13 @@ tiles); the config choice and the tuning-table hook; the launcher's argument err
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 import torch
 from paged_backend.kernels.fused_moe import (
+    CONFIG_DIR,
+    CONFIG_DIR_ENV,
     MoEConfig,
     config_file_name,
     fused_moe,
@@ -21,7 +24,10 @@ from paged_backend.kernels.fused_moe import (
     moe_gemm,
     pick_config,
     route,
+    table_for,
+    tuned_table,
 )
+from paged_backend.kernels.fused_moe_ref import moe_align_block_size_ref
 
 pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 
@@ -83,27 +89,39 @@ def _check(m, e, k, dtype, config, *, seed=0, on_input=False, experts=None, ids=
 # -- moe_align_block_size ------------------------------------------------------------------------
 
 
+def _runs_sorted(sorted_ids, ntpp, block_m):
+    """sorted_token_ids with each tile's pairs in ascending order (the kernel's order inside an
+    expert's run is the atomics'); the sentinel stays last in its tile."""
+    tiles = sorted_ids[: int(ntpp)].view(-1, block_m)
+    return torch.cat([tiles.sort(dim=1).values.reshape(-1), sorted_ids[int(ntpp):]])
+
+
 def test_align_hand_made_example():
     # pairs p = 2m + k: experts [2, 0, 2, 1, 0, 2]; expert 3 has none
     ids = torch.tensor([[2, 0], [2, 1], [0, 2]], dtype=torch.int32)
-    sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, 4, 4)
     s = 6  # sentinel M*K
-    assert sorted_ids.dtype == expert_ids.dtype == ntpp.dtype == torch.int32
-    assert int(ntpp) == 12
-    assert sorted_ids[:12].tolist() == [1, 4, s, s, 3, s, s, s, 0, 2, 5, s]
-    assert expert_ids[:3].tolist() == [0, 1, 2]
-    # capacity: 6 pairs + 4 experts x 3 padding = 18 rows, 5 tiles; the rest unused
-    assert sorted_ids.numel() == 20 and (sorted_ids[12:] == s).all()
-    assert expert_ids.tolist()[3:] == [-1, -1]
+    for align in (moe_align_block_size_ref, moe_align_block_size):
+        sorted_ids, expert_ids, ntpp = align(ids, 4, 4)
+        assert sorted_ids.dtype == expert_ids.dtype == ntpp.dtype == torch.int32
+        assert int(ntpp) == 12
+        assert _runs_sorted(sorted_ids, ntpp, 4)[:12].tolist() == [1, 4, s, s, 3, s, s, s, 0, 2, 5, s]
+        assert expert_ids[:3].tolist() == [0, 1, 2]
+        # capacity: 6 pairs + 4 experts x 3 padding = 18 rows, 5 tiles; the rest unused
+        assert sorted_ids.numel() == 20 and (sorted_ids[12:] == s).all()
+        assert expert_ids.tolist()[3:] == [-1, -1]
+    assert moe_align_block_size_ref(ids, 4, 4)[0][:12].tolist() == [1, 4, s, s, 3, s, s, s, 0, 2, 5, s]
 
 
 @pytest.mark.parametrize("m,k,e,block_m,seed", [(1, 1, 4, 16, 0), (5, 2, 8, 16, 1), (37, 3, 8, 16, 2),
-                                                (70, 2, 4, 32, 3), (9, 3, 6, 64, 4)])
+                                                (70, 2, 4, 32, 3), (9, 3, 6, 64, 4), (700, 4, 160, 16, 5)])
 def test_align_invariants_on_random_routings(m, k, e, block_m, seed):
     gen = torch.Generator().manual_seed(seed)
     experts = list(range(0, e, 2)) if seed % 2 else None  # odd seeds: odd experts get no tokens
     ids = _routing(m, e, k, gen, experts)[1].to(torch.int64 if seed % 2 else torch.int32)
+    ref = moe_align_block_size_ref(ids, block_m, e)
     sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, block_m, e)
+    assert torch.equal(expert_ids, ref[1]) and torch.equal(ntpp, ref[2])
+    assert torch.equal(_runs_sorted(sorted_ids, ntpp, block_m), _runs_sorted(ref[0], ref[2], block_m))
     pairs, used = m * k, int(ntpp)
     flat = ids.reshape(-1)
     assert used % block_m == 0 and sorted_ids.numel() % block_m == 0
@@ -215,6 +233,48 @@ def test_pick_config_defaults_and_tuning_table(tmp_path):
     assert pick_config(20, 8, 14336, 4096, torch.bfloat16, table=table) == table[1]
     with pytest.raises(ValueError, match="BLOCK_SIZE_K"):
         MoEConfig.from_vllm({"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 32, "GROUP_SIZE_M": 1})
+
+
+def test_tuned_table_found_by_shape_and_device(tmp_path, monkeypatch):
+    """``tuned_table`` reads $PAGED_BACKEND_MOE_CONFIG_DIR's file for (E, N, device), else the shipped
+    folder's, else None; ``table_for`` gives none off CUDA (the interpreter and the CPU use defaults)."""
+    entry = {"BLOCK_SIZE_M": 16, "BLOCK_SIZE_N": 64, "BLOCK_SIZE_K": 128, "GROUP_SIZE_M": 1, "num_warps": 4,
+             "num_stages": 3}
+    (tmp_path / config_file_name(4, 96, "Test GPU")).write_text(json.dumps({"8": entry}))
+    monkeypatch.setenv(CONFIG_DIR_ENV, str(tmp_path))
+    tuned_table.cache_clear()
+    try:
+        assert tuned_table(4, 96, "Test GPU") == {8: MoEConfig.from_vllm(entry)}
+        assert tuned_table(4, 97, "Test GPU") is None and tuned_table(4, 96, "Other GPU") is None
+    finally:
+        tuned_table.cache_clear()
+    assert table_for(torch.zeros(2, 8, dtype=torch.bfloat16), 4, 96) is None
+
+
+def test_shipped_tuning_tables_parse_and_cover_decode_and_prefill():
+    """Every table in kernels/fused_moe_configs is a valid vLLM-format table named for its shape,
+    with entries from one token to prefill sizes."""
+    files = sorted(p for p in os.listdir(CONFIG_DIR) if p.endswith(".json"))
+    for name in files:
+        table = load_config_table(os.path.join(CONFIG_DIR, name))
+        fields = dict(kv.split("=", 1) for kv in name.removesuffix(".json").split(","))
+        assert int(fields["E"]) > 0 and int(fields["N"]) > 0 and fields["device_name"], name
+        assert min(table) == 1 and max(table) >= 1024, name
+
+
+def test_tune_candidates_are_valid_and_fit():
+    """The tuner's search space: the pairs path only for few pairs, row tiles no taller than the
+    pairs per expert warrant, every candidate within the shared-memory budget."""
+    from paged_backend.benchmarks.moe_tune import SMEM_BYTES, launch_candidates, tile_candidates
+
+    decode, prefill = tile_candidates(1, 128, 8), tile_candidates(4096, 128, 8)
+    assert any(not c.sorted for c in decode) and all(c.sorted for c in tile_candidates(16, 128, 8))
+    assert {c.BLOCK_M for c in tile_candidates(64, 128, 8)} == {16}  # 4 pairs per expert
+    assert {c.BLOCK_M for c in prefill} == {16, 32, 64, 128}
+    for cfg in prefill + launch_candidates(prefill[-2:]):
+        assert (cfg.BLOCK_M * cfg.BLOCK_K + cfg.BLOCK_K * cfg.BLOCK_N) * 2 * cfg.num_stages <= SMEM_BYTES
+    refined = launch_candidates([decode[0], decode[0], prefill[0]])
+    assert len(set(refined)) == len(refined) > 1 and decode[0] in refined
 
 
 @pytest.mark.parametrize("kw,match", [(dict(BLOCK_M=8), "BLOCK_M"), (dict(BLOCK_N=24), "BLOCK_N"),
