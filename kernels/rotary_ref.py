@@ -1,7 +1,11 @@
-"""Reference rotary embedding, neox style (HF's ``rotate_half``), with llama3 scaling.
+"""Reference rotary embedding (HF's ``rotate_half``, neox or interleaved), with llama3 scaling.
 
 The cos/sin table is float32 ``[max_positions, rotary_dim]`` (cos in the first half,
-sin in the second), built like HF builds it so fp32 results agree bit for bit.
+sin in the second), built like HF builds it so fp32 results agree bit for bit. The first
+``rotary_dim`` dims of each head are rotated, as pairs of dims ``(i, i + rotary_dim/2)``
+(neox, Llama's ``rotate_half``) or ``(2i, 2i + 1)`` (``interleaved``: GPT-J style, GLM's),
+pair ``i`` by frequency ``i``; dims from ``rotary_dim`` to ``head_dim`` pass through (partial
+rotary).
 """
 
 from __future__ import annotations
@@ -37,34 +41,44 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
 
 
 def rope_cos_sin_cache(inv_freq: torch.Tensor, max_positions: int) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos(p * f) in [:, :D/2], sin(p * f) in [:, D/2:]."""
+    """[max_positions, R] float32 (R = 2 * len(inv_freq), the rotary dim): cos(p * f) in [:, :R/2],
+    sin(p * f) in [:, R/2:]."""
     pos = torch.arange(max_positions, dtype=torch.float32)
     freqs = pos[:, None] * inv_freq.float()[None, :]
     return torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    c = torch.cat([cos, cos], dim=-1)
-    s = torch.cat([sin, sin], dim=-1)
-    return x * c + torch.cat([-x2, x1], dim=-1) * s
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool) -> torch.Tensor:
+    """The first ``2 * cos.shape[-1]`` dims of ``x`` rotated, the rest as they are (HF's op order)."""
+    rot = 2 * cos.shape[-1]
+    x_rot = x[..., :rot]
+    if interleaved:
+        x1, x2 = x_rot[..., 0::2], x_rot[..., 1::2]
+        c, s = cos.repeat_interleave(2, dim=-1), sin.repeat_interleave(2, dim=-1)
+        rotated = torch.stack([-x2, x1], dim=-1).flatten(-2)
+    else:
+        x1, x2 = x_rot[..., : rot // 2], x_rot[..., rot // 2 :]
+        c, s = torch.cat([cos, cos], dim=-1), torch.cat([sin, sin], dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+    out = x_rot * c + rotated * s
+    return out if rot == x.shape[-1] else torch.cat([out, x[..., rot:]], dim=-1)
 
 
 def rotary_ref(
     positions: torch.Tensor,  # int64 [T]
     query: torch.Tensor,  # [T, H, D]
     key: torch.Tensor,  # [T, Hkv, D]
-    cos_sin_cache: torch.Tensor,  # float32 [max_positions, D]
+    cos_sin_cache: torch.Tensor,  # float32 [max_positions, rotary_dim], rotary_dim <= D
     q_scale: float | None = None,
+    interleaved: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Returns rotated (query, key) in their dtype; cos/sin are cast to that dtype first (as HF).
-    ``q_scale`` multiplies the rotated query (one more rounding to its dtype)."""
+    ``q_scale`` multiplies the whole query after the rotation (one more rounding to its dtype)."""
     cs = cos_sin_cache[positions.long()]
     half = cs.shape[-1] // 2
     cos = cs[:, None, :half].to(query.dtype)
     sin = cs[:, None, half:].to(query.dtype)
-    q = _rotate(query, cos, sin)
+    q = _rotate(query, cos, sin, interleaved)
     if q_scale is not None:
         q = torch.mul(q, q_scale)
-    return q, _rotate(key, cos, sin)
+    return q, _rotate(key, cos, sin, interleaved)

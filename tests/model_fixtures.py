@@ -44,6 +44,11 @@ TINY_VARIANTS: dict[str, tuple[str, dict[str, Any], dict[str, Any]]] = {
     "qwen2-mixed-window": ("Qwen2ForCausalLM", {"use_sliding_window": True, "sliding_window": 5,
                            "max_window_layers": 1}, {}),
     "qwen3-qk-norm": ("Qwen3ForCausalLM", {"tie_word_embeddings": False}, {}),
+    # GLM-4 dense: half of each head rotated in interleaved pairs, q/k/v bias, gate|up as one tensor; here
+    # heads * head_dim (4 * 24) != hidden (64)
+    "glm-head-dim": ("GlmForCausalLM", {"head_dim": 24}, {}),
+    # GLM-4-0414: also norms on the attention and MLP outputs; one KV head (replicated under TP)
+    "glm4-sublayer-norms": ("Glm4ForCausalLM", {"num_key_value_heads": 1}, {}),
 }
 
 
@@ -53,6 +58,7 @@ def hf_classes(arch: str) -> tuple[type, type]:
     config_cls = {"LlamaForCausalLM": "LlamaConfig", "MistralForCausalLM": "MistralConfig",
                   "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
                   "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
+                  "GlmForCausalLM": "GlmConfig", "Glm4ForCausalLM": "Glm4Config",
                   "Glm4MoeForCausalLM": "Glm4MoeConfig"}[arch]
     return getattr(transformers, config_cls), getattr(transformers, arch)
 

@@ -33,7 +33,8 @@ class ModelOps:
 
     rms_norm(x, weight, eps, residual) -> (normed, new_residual)
     silu_and_mul(x [T, 2I]) -> [T, I]
-    rotary(positions, q [T, H, D], k [T, Hkv, D], cos_sin_cache, q_scale=None) -> (q, k)
+    rotary(positions, q [T, H, D], k [T, Hkv, D], cos_sin_cache [P, R <= D], q_scale=None, interleaved=False)
+        -> (q, k): the first R dims of each head rotated (neox halves or interleaved pairs), the rest copied
     fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K]) -> [T, H]
     """
 
@@ -164,20 +165,22 @@ class RMSNorm(nn.Module):
 
 
 class RotaryEmbedding(nn.Module):
-    """Neox-style RoPE with a float32 cos/sin table built once (on the table's device).
+    """RoPE through ``ops.rotary`` with a float32 cos/sin table built once (on the table's device).
 
-    With ``rotary_dim`` < ``head_dim`` (partial rotary, GLM-4.5) only the first ``rotary_dim`` dims
-    of each head are rotated (neox halves within them) and the rest pass through; ``ops.rotary``
-    sees the rotated part alone, so every rotary op works unchanged.
+    ``rotary_dim`` < ``head_dim`` (partial rotary: GLM, GLM-4, GLM-4.5) rotates only the first
+    ``rotary_dim`` dims of each head (the table's width) and passes the rest through. ``interleaved``
+    rotates pairs of adjacent dims (2i, 2i+1) (GPT-J style: GLM, GLM-4) instead of neox halves
+    (i, i + rotary_dim/2).
     """
 
     def __init__(
         self, head_dim: int, max_positions: int, theta: float, scaling: dict | None, ops: ModelOps,
-        rotary_dim: int | None = None,
+        rotary_dim: int | None = None, interleaved: bool = False,
     ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim or head_dim
+        self.interleaved = interleaved
         self.max_positions = max_positions
         self.theta = theta
         self.scaling = scaling
@@ -201,10 +204,4 @@ class RotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_scale: float | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Rotated (q, k); ``q_scale`` also multiplies q (the attention backend's ``query_scale``)."""
-        r = self.rotary_dim
-        if r == self.head_dim:
-            return self.ops.rotary(positions, q, k, self.cos_sin_cache, q_scale)
-        # the rotated dims as strided views (every rotary op takes views with unit last stride)
-        q_rot, k_rot = self.ops.rotary(positions, q[..., :r], k[..., :r], self.cos_sin_cache, q_scale)
-        q_pass = q[..., r:] if q_scale is None else torch.mul(q[..., r:], q_scale)
-        return torch.cat([q_rot, q_pass], dim=-1), torch.cat([k_rot, k[..., r:]], dim=-1)
+        return self.ops.rotary(positions, q, k, self.cos_sin_cache, q_scale, interleaved=self.interleaved)

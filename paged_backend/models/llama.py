@@ -1,4 +1,4 @@
-"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3 and the MoE kin) over a paged KV cache.
+"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, GLM-4 and the MoE kin) over a paged KV cache.
 
 vLLM style: the step's tokens are flattened (no batch dim); the attention backend writes
 the new K/V into ``kv_caches[layer]`` and attends through ``meta``'s block tables. The op
@@ -7,6 +7,8 @@ order follows transformers' LlamaModel so fp32 logits agree with HF's.
     embed -> [ input_norm(+res) -> attn -> post_attn_norm(+res) -> mlp ] x L -> norm(+res)
     attn:  qkv_proj -> (Qwen3, GLM-4.5: q_norm/k_norm per head) -> rope -> backend -> o_proj
     mlp:   LlamaMLP, or SparseMoeBlock on routed layers (router -> experts; + shared experts, GLM-4.5)
+    GLM-4-0414: attn -> post_self_attn_norm and mlp -> post_mlp_norm before their residual adds
+    rope:  neox halves, or interleaved pairs (GLM, GLM-4); the first rotary_dim dims (partial: the GLMs)
 """
 
 from __future__ import annotations
@@ -241,6 +243,11 @@ class LlamaDecoderLayer(nn.Module):
             self.mlp = LlamaMLP(info, dtype, ops, tp)
         self.input_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
         self.post_attention_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
+        # GLM-4-0414: each sublayer's output normed before its residual add
+        self.post_self_attn_layernorm = self.post_mlp_layernorm = None
+        if info.sublayer_output_norms:
+            self.post_self_attn_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
+            self.post_mlp_layernorm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
 
     def forward(
         self,
@@ -257,8 +264,13 @@ class LlamaDecoderLayer(nn.Module):
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
         hidden = self.self_attn(positions, hidden, kv_cache, meta)
+        if self.post_self_attn_layernorm is not None:
+            hidden, _ = self.post_self_attn_layernorm(hidden)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
+        hidden = self.mlp(hidden)
+        if self.post_mlp_layernorm is not None:
+            hidden, _ = self.post_mlp_layernorm(hidden)
+        return hidden, residual
 
 
 class LlamaModel(nn.Module):
@@ -266,7 +278,8 @@ class LlamaModel(nn.Module):
                  tp: TPGroup | None = None) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(
-            info.head_dim, info.max_position_embeddings, info.rope_theta, info.rope_scaling, ops, info.rope_dim
+            info.head_dim, info.max_position_embeddings, info.rope_theta, info.rope_scaling, ops, info.rope_dim,
+            interleaved=info.rope_interleaved,
         )
         self.embed_tokens = embed_tokens(info, dtype, tp)  # vocab-parallel under TP
         self.layers = nn.ModuleList(
@@ -289,7 +302,7 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """One class for the Llama family; ModelInfo's flags select biases, q/k norm and windows."""
+    """One class for the Llama family; ModelInfo's flags select biases, norms, the rotary layout and windows."""
 
     def __init__(
         self,
@@ -332,10 +345,9 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> float32 [N, vocab]
         return linear(self.lm_head, hidden).float()
 
-    @staticmethod
-    def checkpoint_names(param_name: str) -> list[str]:
+    def checkpoint_names(self, param_name: str) -> list[str]:
         """The HF tensor names that load ``param_name`` (several for a fused parameter)."""
-        return checkpoint_names(param_name)
+        return checkpoint_names(param_name, self.info)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads HF-named tensors through each parameter's ``weight_loader`` (models/weight_loading.py);

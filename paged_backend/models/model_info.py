@@ -17,14 +17,19 @@ import torch
 from paged_backend.models.moe_routing import RoutingConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "Glm4MoeForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
+                           "Glm4MoeForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                       "glm4_moe": "Glm4MoeForCausalLM"}
+                       "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
 _MISTRAL_ATTENTION = ("MistralForCausalLM", "MixtralForCausalLM")  # no attention bias, a window on every layer
 _QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q/k norm
 _GLM4_MOE = "Glm4MoeForCausalLM"  # q/k/v bias (o_proj none), q/k norm if use_qk_norm, partial rotary
+# GLM-4 dense (glm-4-9b-chat-hf; GLM-4-0414 adds norms on the sublayer outputs): q/k/v bias (o_proj none),
+# partial interleaved rotary, gate|up stored as one tensor
+_GLM_DENSE = ("GlmForCausalLM", "Glm4ForCausalLM")
+_GLM = (*_GLM_DENSE, _GLM4_MOE)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
@@ -48,8 +53,8 @@ class ModelInfo:
     rope_scaling: dict[str, Any] | None  # None = plain RoPE; else has "rope_type" (linear, llama3)
     rms_norm_eps: float
     tie_word_embeddings: bool
-    attention_bias: bool  # bias on q/k/v projections (Qwen2 always)
-    o_proj_bias: bool  # bias on o_proj (Llama/Qwen3 ``attention_bias``; never Qwen2/Mistral)
+    attention_bias: bool  # bias on q/k/v projections (Qwen2 always; the GLM families' ``attention_bias``)
+    o_proj_bias: bool  # bias on o_proj (Llama/Qwen3 ``attention_bias``; never Qwen2/Mistral/GLM)
     mlp_bias: bool  # Llama ``mlp_bias``
     qk_norm: bool  # Qwen3 (GLM-4.5 with use_qk_norm): per-head RMSNorm on q and k before RoPE
     sliding_window: int | None  # None unless some layer uses it
@@ -66,11 +71,14 @@ class ModelInfo:
     routing: RoutingConfig | None = None
     shared_expert_intermediate_size: int = 0  # GLM-4.5: a dense MLP beside the routed experts (0: none)
     rotary_dim: int | None = None  # the first dims of each q/k head that RoPE rotates (None: all head_dim)
+    rope_interleaved: bool = False  # GLM, GLM-4: RoPE turns adjacent dims (2i, 2i+1), not neox halves
+    sublayer_output_norms: bool = False  # GLM-4-0414: RMSNorm on the attention and MLP outputs before each residual add
+    fused_gate_up_checkpoint: bool = False  # GLM, GLM-4: the checkpoint stores mlp.gate_up_proj (gate rows, then up)
     num_mtp_layers: int = 0  # multi-token-prediction layers stored after the decoder's (not run)
 
     @property
     def rope_dim(self) -> int:
-        """The dims of each q/k head RoPE rotates (GLM-4.5: half of head_dim; the rest passes through)."""
+        """The dims of each q/k head RoPE rotates (the GLM families: half of head_dim; the rest passes through)."""
         return self.rotary_dim or self.head_dim
 
     @property
@@ -110,8 +118,8 @@ class ModelInfo:
         theta, scaling = _rope(cfg, source)
         qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
         mistral = arch in _MISTRAL_ATTENTION
-        attn_bias = bool(cfg.get("attention_bias", False)) and not mistral
-        glm = arch == _GLM4_MOE
+        glm = arch in _GLM
+        attn_bias = bool(cfg.get("attention_bias", arch in _GLM_DENSE)) and not mistral  # transformers' defaults
         head_dim = int(cfg.get("head_dim") or hidden // heads)
         windows = _layer_windows(cfg, arch, num_layers)
         used = [w for w in windows if w is not None]
@@ -133,7 +141,7 @@ class ModelInfo:
             attention_bias=qwen2 or attn_bias,
             o_proj_bias=attn_bias and not qwen2 and not glm,
             mlp_bias=bool(cfg.get("mlp_bias", False)) and arch == "LlamaForCausalLM",
-            qk_norm=arch in _QWEN3_ATTENTION or (glm and bool(cfg.get("use_qk_norm"))),
+            qk_norm=arch in _QWEN3_ATTENTION or (arch == _GLM4_MOE and bool(cfg.get("use_qk_norm"))),
             sliding_window=max(used) if used else None,
             layer_sliding_windows=tuple(windows),
             dtype=_dtype(cfg.get("dtype") or cfg.get("torch_dtype"), source),
@@ -141,7 +149,10 @@ class ModelInfo:
             bos_token_id=next((b for b in (cfg.get("bos_token_id"), gen.get("bos_token_id")) if b is not None), None),
             quantization_config=cfg.get("quantization_config") or None,
             rotary_dim=_rotary_dim(cfg, arch, head_dim, source),
-            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if glm else 0,
+            rope_interleaved=arch in _GLM_DENSE,
+            sublayer_output_norms=arch == "Glm4ForCausalLM",
+            fused_gate_up_checkpoint=arch in _GLM_DENSE,
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if arch == _GLM4_MOE else 0,
             **_moe_fields(cfg, arch, num_layers, intermediate, source),
         )
 
@@ -178,9 +189,9 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
 
 
 def _rotary_dim(cfg: dict[str, Any], arch: str, head_dim: int, source: str) -> int | None:
-    """GLM-4.5's ``partial_rotary_factor`` (``rope_parameters`` or top level; transformers' default 0.5)
-    as a dim count; None (all of head_dim) for the other families."""
-    if arch != _GLM4_MOE:
+    """The GLM families' ``partial_rotary_factor`` (``rope_parameters`` or top level; transformers' default
+    0.5) as a dim count; None (all of head_dim) for the other families."""
+    if arch not in _GLM:
         return None
     factor = (cfg.get("rope_parameters") or {}).get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
     dim = int(head_dim * float(0.5 if factor is None else factor))

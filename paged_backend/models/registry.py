@@ -10,7 +10,7 @@ from torch import nn
 
 from paged_backend.models.llama import LlamaForCausalLM
 
-# Llama, Mistral, Qwen2 and Qwen3 (and SmolLM, a Llama) share one implementation
+# Llama, Mistral, Qwen2, Qwen3, GLM-4 (and SmolLM, a Llama) and their MoE kin share one implementation
 MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
@@ -18,6 +18,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": LlamaForCausalLM,  # a Qwen3 whose MLPs are routed experts
     "MixtralForCausalLM": LlamaForCausalLM,  # a Mistral whose MLPs are routed experts
+    "GlmForCausalLM": LlamaForCausalLM,  # partial interleaved rotary, q/k/v bias, gate|up fused in the checkpoint
+    "Glm4ForCausalLM": LlamaForCausalLM,  # a GLM with norms on the attention and MLP outputs
     "Glm4MoeForCausalLM": LlamaForCausalLM,  # routed + shared experts after dense layers, partial rotary
 }
 

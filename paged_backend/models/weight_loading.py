@@ -2,6 +2,8 @@
 
     q_proj | k_proj | v_proj      -> qkv_proj (shards "q", "k", "v")
     gate_proj | up_proj           -> gate_up_proj (shards 0, 1)
+    mlp.gate_up_proj [2I, H]      -> gate_up_proj, split in halves (shards 0, 1): GLM and GLM-4 store gate|up
+                                     fused (``fused_gate_up_checkpoint``; dense weights and biases only)
     mlp.experts.{e}.<proj>        -> mlp.experts.w13 | w2 (shards (proj, e); models/moe.py's layouts)
     block_sparse_moe.gate         -> mlp.gate (Mixtral's router)
     mlp.gate.e_score_correction_bias -> mlp.experts.e_score_correction_bias (GLM-4.5's routing bias)
@@ -25,6 +27,7 @@ from torch import nn
 
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.moe import FAMILY_EXPERT_LAYOUTS, MoEShardId, parse_expert_name
+from paged_backend.models.parallel import LazyTensor, narrow
 
 # (fused parameter, HF checkpoint name, shard id)
 STACKED_PARAMS = (
@@ -42,10 +45,13 @@ _KV_SCALE = re.compile(
 _IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 _LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
 _CORRECTION_BIAS = (".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias")
+_FUSED_GATE_UP = ".gate_up_proj."
 
 
-def checkpoint_names(param_name: str) -> list[str]:
+def checkpoint_names(param_name: str, info: ModelInfo) -> list[str]:
     """The HF tensor names that load ``param_name`` (several for a fused parameter)."""
+    if info.fused_gate_up_checkpoint and _FUSED_GATE_UP in param_name:
+        return [param_name]
     names = [param_name.replace(fused, orig) for fused, orig, _ in STACKED_PARAMS if fused in param_name]
     if param_name.endswith(_CORRECTION_BIAS[1]):
         names = [param_name.replace(_CORRECTION_BIAS[1], _CORRECTION_BIAS[0])]
@@ -70,6 +76,10 @@ def load_checkpoint_tensors(model: nn.Module, info: ModelInfo, weights: Iterable
             prefix, which = m["prefix"] or m["prefix2"], m["which"] or m["which2"]
             for kind in ("k", "v") if which == "kv" else (which,):
                 seen.setdefault(_load_scale(buffers, f"{prefix}.{kind}_scale", name, tensor), set())
+            continue
+        if info.fused_gate_up_checkpoint and _FUSED_GATE_UP in name:  # one tensor, both shards
+            for shard, part in enumerate(_gate_up_halves(name, tensor)):
+                _load_into(params, seen, name, name, shard, part)
             continue
         pname, shard = _target(info, name)
         _load_into(params, seen, name, pname, shard, tensor)
@@ -104,6 +114,16 @@ def _expert_shard(info: ModelInfo, name: str) -> tuple[str, MoEShardId] | None:
         if found is not None:
             return f"{prefix}.mlp.experts.{found[0]}", found[1]
     return None
+
+
+def _gate_up_halves(name: str, tensor: torch.Tensor | LazyTensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate rows and the up rows of a fused gate|up weight or bias (a LazyTensor reads each alone)."""
+    if not name.endswith((".weight", ".bias")):
+        raise ValueError(f"tensor {name!r}: a fused gate_up_proj is only supported as dense weight and bias")
+    rows = tensor.shape[0]
+    if rows % 2:
+        raise ValueError(f"tensor {name!r}: a fused gate|up tensor needs an even number of rows, got {rows}")
+    return narrow(tensor, 0, 0, rows // 2), narrow(tensor, 0, rows // 2, rows // 2)
 
 
 def _is_mtp_layer(info: ModelInfo, name: str) -> bool:

@@ -1,4 +1,4 @@
-"""Triton RMSNorm (+ fused residual add), rotary (neox, llama3 scaling) and SiLU-and-mul
+"""Triton RMSNorm (+ fused residual add), rotary (neox or interleaved, partial, llama3 scaling) and SiLU-and-mul
 against their references. Tolerances are in units of the dtype's epsilon."""
 
 from __future__ import annotations
@@ -110,12 +110,53 @@ def test_rotary(dtype, heads, kv_heads, head_dim, scaling, q_scale):
         assert torch.equal(qo, qr) and torch.equal(ko, kr)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("interleaved", [False, True], ids=["neox", "interleaved"])
+@pytest.mark.parametrize("head_dim,rotary_dim", [(64, 64), (64, 32), (80, 40), (48, 16)])
+@pytest.mark.parametrize("q_scale", [None, 0.18033688])
+def test_rotary_interleaved_and_partial(dtype, interleaved, head_dim, rotary_dim, q_scale):
+    """Pairs (2i, 2i+1) or neox halves of the first ``rotary_dim`` dims (the table's width) rotated, the
+    rest copied (times q_scale for q): bit-exact with the reference in the interpreter."""
+    t = 5 * BIG
+    qkv = rand((t, 4 + 2 * 2, head_dim), dtype, 13)
+    q, k = qkv[:, :4], qkv[:, 4:6]
+    table = rope_cos_sin_cache(rope_inv_freq(rotary_dim, 10000.0), 1024).to(DEVICE)
+    pos = torch.randint(0, 1024, (t,), generator=torch.Generator().manual_seed(14)).to(DEVICE)
+    qo, ko = rotary(pos, q, k, table, q_scale, interleaved=interleaved)
+    qr, kr = rotary_ref(pos.cpu(), q.cpu(), k.cpu(), table.cpu(), q_scale, interleaved=interleaved)
+    assert qo.shape == q.shape and ko.shape == k.shape and qo.dtype == dtype
+    # the passed-through dims are the input's (q's times the scale, rounded once)
+    want_pass = q.cpu()[..., rotary_dim:] if q_scale is None else torch.mul(q.cpu()[..., rotary_dim:], q_scale)
+    assert torch.equal(qr[..., rotary_dim:], want_pass) and torch.equal(kr[..., rotary_dim:], k.cpu()[..., rotary_dim:])
+    torch.testing.assert_close(qo.cpu(), qr, rtol=eps(dtype), atol=eps(dtype))
+    torch.testing.assert_close(ko.cpu(), kr, rtol=eps(dtype), atol=eps(dtype))
+    if not CUDA:
+        assert torch.equal(qo, qr) and torch.equal(ko, kr)
+
+
+def test_rotary_interleaved_pairs_adjacent_dims():
+    """Interleaved: dims (2i, 2i+1) turn together by frequency i; at position 0 nothing moves."""
+    q = rand((2, 1, 8), torch.float32, 15)
+    k = rand((2, 1, 8), torch.float32, 16)
+    table = rope_cos_sin_cache(rope_inv_freq(4, 10000.0), 8).to(DEVICE)
+    pos = torch.tensor([0, 3], device=DEVICE)
+    qo, ko = rotary(pos, q, k, table, interleaved=True)
+    assert torch.equal(qo[0], q[0]) and torch.equal(ko[0], k[0])
+    cos, sin = table[3, :2], table[3, 2:]
+    x = q[1, 0]
+    want = torch.stack([x[0:4:2] * cos - x[1:4:2] * sin, x[1:4:2] * cos + x[0:4:2] * sin], dim=-1).flatten()
+    torch.testing.assert_close(qo[1, 0, :4], want, atol=1e-6, rtol=1e-6)
+    assert torch.equal(qo[1, 0, 4:], x[4:])
+
+
 def test_rotary_errors():
     q = rand((3, 4, 64), torch.float32, 9)
     k = rand((3, 2, 64), torch.float32, 10)
     table = torch.zeros((16, 64), device=DEVICE)
     with pytest.raises(ValueError, match="cos_sin_cache"):
-        rotary(torch.arange(3, device=DEVICE), q, k, table[:, :32])
+        rotary(torch.arange(3, device=DEVICE), q, k, torch.zeros((16, 66), device=DEVICE))
+    with pytest.raises(ValueError, match="cos_sin_cache.*even"):
+        rotary(torch.arange(3, device=DEVICE), q, k, table[:, :31])
     with pytest.raises(TypeError, match="positions"):
         rotary(torch.arange(3, device=DEVICE).float(), q, k, table)
     with pytest.raises(TypeError, match="key"):

@@ -1,6 +1,6 @@
 """Our Llama-family models against transformers' own, logits position by position.
 
-Tiny random checkpoints (all four architectures and their flags) run through the paged
+Tiny random checkpoints (the dense architectures and their flags) run through the paged
 KV cache with shuffled block ids: one prefill, then prefill + decode steps, then several
 sequences flattened into one step with chunked prefill. fp32 must match HF to ~1e-4.
 """

@@ -9,19 +9,23 @@ from pathlib import Path
 
 import pytest
 import torch
-from model_fixtures import hf_model, make_tiny_checkpoint
+from family_fixtures import (
+    SCHEDULES,
+    check_cuda_triton_greedy,
+    check_greedy_equals_transformers,
+    check_prefix_cache_and_preemption,
+    check_tensor_parallel_2,
+    hf_greedy,
+    rewrite_checkpoint,
+    tiny_llm,
+)
+from model_fixtures import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
-from smollm2 import assert_no_leak
 
-from paged_backend import LLM, SamplingParams
 from paged_backend.models.model_info import ModelInfo
 
 pytestmark = pytest.mark.slow
 
-NEW = 12
-GREEDY = SamplingParams(max_tokens=NEW, temperature=0.0, ignore_eos=True)
-PROMPTS = [[5, 17, 33, 4, 9, 100, 21], [7, 8, 9], list(range(30, 75)), [5, 17, 33, 4, 9, 100, 21, 60, 61, 62, 63,
-                                                                        64, 65, 66, 67, 68, 69, 70]]
 FAMILIES = {
     # a dense first layer (mlp_only_layers), then routed layers; 8 experts, top-2, renormalized
     "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
@@ -67,31 +71,10 @@ def family(request, tmp_path_factory) -> tuple[Path, list[list[int]]]:
     arch, overrides = FAMILIES[request.param]
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
     _scale_routers(path)
-    hf = hf_model(path)
-    expected = []
-    for ids in PROMPTS:
-        out = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0)
-        expected.append(out[0, len(ids):].tolist())
+    expected = hf_greedy(path)
     if overrides.get("num_nextn_predict_layers"):
         _add_mtp_layer(path)
     return path, expected
-
-
-@pytest.fixture(scope="module")
-def tokenizer_dir() -> str:
-    from paged_backend.models.default_model import ensure_default_model
-
-    return str(ensure_default_model())
-
-
-def _llm(path: Path, tokenizer: str, **kw) -> LLM:
-    args = dict(model=str(path), tokenizer=tokenizer, dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20,
-                log_stats_interval=0, seed=0)
-    return LLM(**{**args, **kw})
-
-
-def _tokens(llm: LLM) -> list[list[int]]:
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, GREEDY, use_tqdm=False)]
 
 
 def test_model_info_reads_the_experts(family) -> None:
@@ -116,49 +99,28 @@ def test_glm4_moe_reads_shared_experts_partial_rotary_and_mtp(family) -> None:
     assert any(n.startswith(f"model.layers.{info.num_layers}.") for n in load_file(path / "model.safetensors"))
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_num_seqs": 1}, {"max_num_batched_tokens": 16}],
-                         ids=["batched", "one-at-a-time", "chunked"])
-def test_greedy_equals_transformers(family, tokenizer_dir, kw) -> None:
+@pytest.mark.parametrize("kw", SCHEDULES.values(), ids=SCHEDULES.keys())
+def test_greedy_equals_transformers(family, kw) -> None:
     """Greedy tokens equal transformers' generate token for token, batched, alone or chunked."""
-    path, expected = family
-    llm = _llm(path, tokenizer_dir, **kw)
-    assert _tokens(llm) == expected
-    assert_no_leak(llm.engine)
+    check_greedy_equals_transformers(*family, **kw)
 
 
-def test_prefix_cache_and_preemption_keep_the_tokens(family, tokenizer_dir) -> None:
+def test_prefix_cache_and_preemption_keep_the_tokens(family) -> None:
     """A second pass served from the prefix cache, and a cache so small that requests are
     preempted, give the same tokens."""
-    path, expected = family
-    llm = _llm(path, tokenizer_dir)
-    assert _tokens(llm) == expected
-    hits = llm.engine.get_stats()["prefix_cache_hits"]
-    assert _tokens(llm) == expected and llm.engine.get_stats()["prefix_cache_hits"] > hits
-    small = _llm(path, tokenizer_dir, kv_cache_memory_bytes=None, num_gpu_blocks_override=6)
-    assert _tokens(small) == expected
-    assert small.engine.stats.num_preemptions_total > 0
-    assert_no_leak(small.engine)
+    check_prefix_cache_and_preemption(*family)
 
 
-def _rewrite(src: Path, dst: Path, edit) -> Path:
-    dst.mkdir()
-    for f in src.iterdir():
-        if f.name != "model.safetensors":
-            (dst / f.name).write_bytes(f.read_bytes())
-    save_file(edit(load_file(src / "model.safetensors")), dst / "model.safetensors", metadata={"format": "pt"})
-    return dst
-
-
-def test_a_missing_expert_fails_at_load_naming_it(family, tokenizer_dir, tmp_path) -> None:
+def test_a_missing_expert_fails_at_load_naming_it(family, tmp_path) -> None:
     """A checkpoint without one expert's tensor is refused, the missing tensor named."""
     path, _ = family
     name = next(n for n in load_file(path / "model.safetensors") if ".experts.3." in n)
-    bad = _rewrite(path, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if k != name})
+    bad = rewrite_checkpoint(path, tmp_path / "bad", lambda t: {k: v for k, v in t.items() if k != name})
     with pytest.raises(ValueError, match="missing tensor"):
-        _llm(bad, tokenizer_dir)
+        tiny_llm(bad)
 
 
-def test_an_expert_beyond_the_config_fails_at_load_naming_it(family, tokenizer_dir, tmp_path) -> None:
+def test_an_expert_beyond_the_config_fails_at_load_naming_it(family, tmp_path) -> None:
     """An expert index the config does not have (more experts in the checkpoint) is refused by name."""
     path, _ = family
 
@@ -166,17 +128,19 @@ def test_an_expert_beyond_the_config_fails_at_load_naming_it(family, tokenizer_d
         name = next(n for n in t if ".experts.7." in n)
         return {**t, name.replace(".experts.7.", ".experts.8."): t[name].clone()}
 
-    bad = _rewrite(path, tmp_path / "bad", extra)
+    bad = rewrite_checkpoint(path, tmp_path / "bad", extra)
     with pytest.raises(ValueError, match=r"experts\.8\..*expert 8 is out of range"):
-        _llm(bad, tokenizer_dir)
+        tiny_llm(bad)
 
 
-def test_tensor_parallel_2_equals_1(family, tokenizer_dir) -> None:
+def test_tensor_parallel_2_equals_1(family) -> None:
     """Split over 2 ranks (each holds half of every expert's intermediate features, gloo on the CPU),
     the greedy tokens are those of one rank and of transformers."""
-    path, expected = family
-    llm = _llm(path, tokenizer_dir, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 20)
-    try:
-        assert _tokens(llm) == expected
-    finally:
-        llm.engine.shutdown()
+    check_tensor_parallel_2(*family)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}], ids=["batched", "chunked"])
+def test_cuda_triton_kernels_equal_transformers(family, kw) -> None:
+    """The fused-MoE, attention, rotary and norm kernels compiled on the GPU keep the tokens."""
+    check_cuda_triton_greedy(*family, **kw)
