@@ -44,3 +44,28 @@ def quantize_fp8_ref(
 def dequantize_fp8_ref(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """``q * scale`` in float32, rounded once to ``dtype``."""
     return (q.float() * scale).to(dtype)
+
+
+def quantize_fp8_groups_ref(
+    x: torch.Tensor,  # [..., K] float
+    group: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [..., K], float32 scale [..., ceil(K / group)])
+    """Dynamic e4m3 quantization with one scale per row and per ``group`` consecutive inputs (the
+    last group may be shorter): what DeepSeek-V3-style block-fp8 models do to every linear's input."""
+    k = x.shape[-1]
+    pad = -k % group
+    xf = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float()
+    xg = xf.reshape(*xf.shape[:-1], -1, group)
+    scale = fp8_scale_from_amax(xg.abs().amax(-1, keepdim=True))
+    q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE).reshape(xf.shape)
+    return (q[..., :k] if pad else q), scale.squeeze(-1)
+
+
+def dequantize_fp8_groups_ref(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """float32 ``q * scale`` of ``quantize_fp8_groups_ref``'s output."""
+    return q.float() * scale.repeat_interleave(group, dim=-1)[..., : q.shape[-1]]
+
+
+def expand_block_scales(scale: torch.Tensor, n: int, k: int, bn: int, bk: int) -> torch.Tensor:
+    """[ceil(N/bn), ceil(K/bk)] block scales -> [N, K] (one per weight element)."""
+    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]

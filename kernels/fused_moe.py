@@ -3,8 +3,9 @@
 Contract (as ``fused_moe_ref``)::
 
     fused_moe(x [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [M, K] float32,
-              topk_ids [M, K] int32/int64, *, config=None, apply_router_weight_on_input=False)
-        -> out [M, H] in x.dtype
+              topk_ids [M, K] int32/int64, *, config=None, apply_router_weight_on_input=False,
+              expert_map=None, w13_scale=None, w2_scale=None, block_shape=None,
+              intermediate_amax=None) -> out [M, H] in x.dtype
 
 Rows 0..I-1 of ``w13[e]`` are the gate projection, rows I..2I-1 the up projection. For every
 (token m, slot k) pair with expert e = topk_ids[m, k] and weight w = topk_weights[m, k]::
@@ -16,6 +17,27 @@ With ``apply_router_weight_on_input`` the weight scales the expert's input inste
 dtype (bf16, fp16 or fp32); the products accumulate in fp32 and the intermediates are stored
 in x.dtype, as the reference rounds them (here the routed weight scales the fp32 accumulator
 before that rounding).
+
+FP8 experts (w13 / w2 float8_e4m3fn with float32 ``w13_scale`` / ``w2_scale``; the shapes and the
+math are ``fused_moe_ref``'s): x and the SiLU-and-mul intermediate are quantized to e4m3 on the
+device (``quantize_moe_activations``: ``kernels/fp8_quant.py``, per token, and per group of bk
+inputs with ``block_shape`` (bn, bk)) and both GEMMs multiply e4m3 tiles (``tl.dot`` on e4m3: the
+FP8 tensor cores from compute capability 8.9; fp16 operands below, exact for e4m3; fp32 in the
+interpreter), accumulating in fp32:
+
+    block-wise   BLOCK_K = bk, one scale group per k-step:
+                 acc += dot(a_q, w_q) * a_scale[row, k-group] * w_scale[e, n // bn, k-group]
+    per channel  acc = dot over all of K, then acc * a_scale[row] * w_scale[e, n]
+
+Tuned tables for fp8 experts carry vLLM's selector (``dtype=fp8_w8a8``, block-wise also
+``block_shape=[bn,bk]``); ``pick_config`` forces BLOCK_K = bk for block scales (any BLOCK_N: the
+weight-scale column of each output feature is loaded, ``n // bn``). ``intermediate_amax``: per-token
+scales of an intermediate split over tensor-parallel ranks (``fused_moe_ref``).
+
+``expert_map`` (expert parallelism, as ``fused_moe_ref``): int32/int64 [E_global], global expert id
+-> index in w13 / w2, or -1 for an expert held elsewhere. The ids are mapped once (a gather on the
+device); -1 pairs get no slot in the alignment and no program work in the pairs path, and their
+rows of the top-k sum are zeros.
 
 Algorithm. The M*K pairs are numbered p = m*K + k (``topk_ids.flatten()``); pair p reads token
 p // K. Two grouped GEMMs run over them, one launch each, every program multiplying a tile of
@@ -73,6 +95,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -87,7 +110,9 @@ from paged_backend.kernels._launch import (
     next_pow2,
 )
 from paged_backend.kernels.activation import silu_and_mul
-from paged_backend.kernels.fused_moe_ref import padded_capacity
+from paged_backend.kernels.fp8_quant import quantize_fp8, quantize_fp8_groups
+from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, fp8_scale_from_amax
+from paged_backend.kernels.fused_moe_ref import check_expert_map, check_fp8_moe_scales, padded_capacity
 
 PAIRS_MAX = 16  # pick_config: the unsorted pairs path for up to this many (token, slot) pairs (and <= E)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -134,10 +159,17 @@ class MoEConfig:
 # -- config selection ------------------------------------------------------------------------------
 
 
-def config_file_name(num_experts: int, intermediate: int, device_name: str, dtype: str | None = None) -> str:
-    """vLLM's tuning-table file name: ``E=..,N=..,device_name=...[,dtype=...].json`` (spaces -> _)."""
+def config_file_name(num_experts: int, intermediate: int, device_name: str, dtype: str | None = None,
+                     block_shape: tuple[int, int] | None = None) -> str:
+    """vLLM's tuning-table file name: ``E=..,N=..,device_name=...[,dtype=...][,block_shape=[bn,bk]].json``
+    (spaces -> _); fp8 experts use ``dtype=fp8_w8a8`` (``FP8_SELECTOR``), block-wise ones the block too."""
     selector = f",dtype={dtype}" if dtype else ""
+    if block_shape:
+        selector += f",block_shape=[{block_shape[0]},{block_shape[1]}]"
     return f"E={num_experts},N={intermediate},device_name={device_name.replace(' ', '_')}{selector}.json"
+
+
+FP8_SELECTOR = "fp8_w8a8"  # vLLM's dtype selector of fp8 weights with fp8 activations
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_moe_configs")
@@ -152,9 +184,10 @@ def load_config_table(path: str | os.PathLike) -> dict[int, MoEConfig]:
 
 
 @functools.cache
-def tuned_table(num_experts: int, intermediate: int, device_name: str) -> dict[int, MoEConfig] | None:
-    """The tuned table for this shape and device (module docstring), or None where there is none."""
-    name = config_file_name(num_experts, intermediate, device_name)
+def tuned_table(num_experts: int, intermediate: int, device_name: str, dtype: str | None = None,
+                block_shape: tuple[int, int] | None = None) -> dict[int, MoEConfig] | None:
+    """The tuned table for this shape, device (and fp8 selector), or None where there is none."""
+    name = config_file_name(num_experts, intermediate, device_name, dtype, block_shape)
     for folder in (os.environ.get(CONFIG_DIR_ENV), CONFIG_DIR):
         if folder and os.path.isfile(os.path.join(folder, name)):
             return load_config_table(os.path.join(folder, name))
@@ -166,11 +199,28 @@ def _device_name(index: int) -> str:
     return torch.cuda.get_device_name(index)
 
 
-def table_for(x: torch.Tensor, num_experts: int, intermediate: int) -> dict[int, MoEConfig] | None:
-    """The tuned table ``fused_moe`` uses for activations ``x`` (CUDA bf16/fp16 only), if any."""
+def table_for(x: torch.Tensor, num_experts: int, intermediate: int, fp8: bool = False,
+              block_shape: tuple[int, int] | None = None) -> dict[int, MoEConfig] | None:
+    """The tuned table ``fused_moe`` uses for activations ``x`` (CUDA bf16/fp16 only), if any; ``fp8``:
+    e4m3 experts (``block_shape``: block-wise scales), whose tables carry vLLM's fp8 selector."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or interpreting():
         return None
-    return tuned_table(num_experts, intermediate, _device_name(x.device.index or 0))
+    return tuned_table(num_experts, intermediate, _device_name(x.device.index or 0),
+                       FP8_SELECTOR if fp8 else None, tuple(block_shape) if fp8 and block_shape else None)
+
+
+@functools.cache
+def _fp8_mma(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
+
+
+def fp8_dot_dtype(device: torch.device):  # -> triton.language.dtype
+    """Operand type of ``tl.dot`` for e4m3 tiles: e4m3 itself (FP8 tensor cores) from compute
+    capability 8.9, fp16 below (exact for every e4m3 value), float32 in the interpreter."""
+    if interpreting() or device.type != "cuda":
+        return tl.float32
+    return tl.float8e4nv if _fp8_mma(device.index if device.index is not None else torch.cuda.current_device()) \
+        else tl.float16
 
 
 _DECODE = MoEConfig(BLOCK_M=1, BLOCK_N=64, BLOCK_K=128, GROUP_M=1, num_warps=4, num_stages=2)
@@ -179,7 +229,8 @@ _PREFILL = MoEConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4,
 
 
 def pick_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, *, top_k: int = 1,
-                table: dict[int, MoEConfig] | None = None) -> MoEConfig:
+                table: dict[int, MoEConfig] | None = None, fp8: bool = False,
+                block_shape: tuple[int, int] | None = None) -> MoEConfig:
     """The config for M tokens routed to ``top_k`` of E experts, intermediate size N, hidden size K.
 
     ``table`` (``load_config_table``): the entry of the nearest token count. Otherwise untuned
@@ -187,7 +238,21 @@ def pick_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, *, top_k: in
     (few pairs per expert); 64-row tiles swizzled by 8 beyond (vLLM's untuned default shapes).
     fp32 takes one pipeline stage less (twice the bytes a tile). Under the CPU interpreter the N
     and K tiles grow to cover the small test shapes in one step (fewer interpreted programs).
+
+    ``fp8`` (e4m3 experts): the reduction step is at least 64 (the 8-bit MMAs' k is 32); with
+    ``block_shape`` (bn, bk) it is exactly bk, one activation scale group per step, whatever the
+    table says (any BLOCK_N: the kernel loads each column's weight scale, ``n // bn``).
     """
+    cfg = _default_config(M, E, N, K, dtype, top_k, table)
+    if fp8 and block_shape is not None:
+        return replace(cfg, BLOCK_K=int(block_shape[1]))
+    if fp8 and not interpreting():
+        return replace(cfg, BLOCK_K=max(64, cfg.BLOCK_K))
+    return cfg
+
+
+def _default_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, top_k: int,
+                    table: dict[int, MoEConfig] | None) -> MoEConfig:
     if table:
         return table[min(table, key=lambda m: (abs(m - M), m))]
     if M * top_k <= min(PAIRS_MAX, E):
@@ -216,7 +281,8 @@ def moe_align_block_size(
     run padded to a multiple of ``block_m`` with the sentinel M*K), ``expert_ids`` [C / block_m]
     (each tile's expert; -1 for tiles past the end) and ``num_tokens_post_padded`` [1] (the used
     length of ``sorted_token_ids``). C = ``padded_capacity``: fixed by the shapes, so nothing is
-    read back to the host. Ids must lie in [0, num_experts).
+    read back to the host. Ids must lie in [0, num_experts), or be -1 (an expert not held here,
+    ``expert_map``): such pairs get no slot.
 
     The same tiles as ``fused_moe_ref.moe_align_block_size_ref``, except that the pairs inside an
     expert's run come in the order the scatter's atomics hand out slots (each row's product does
@@ -253,6 +319,7 @@ def _align_count_kernel(ids_ptr, sorted_ptr, counts_ptr, num_pairs, capacity, CH
     tl.store(sorted_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + num_pairs, mask=offs < capacity)
     ok = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    ok = ok & (expert >= 0)  # -1: an expert held elsewhere
     tl.atomic_add(counts_ptr + expert, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
 
 
@@ -278,6 +345,7 @@ def _align_scatter_kernel(ids_ptr, sorted_ptr, cursor_ptr, num_pairs, CHUNK: tl.
     offs = tl.program_id(0) * CHUNK + tl.arange(0, CHUNK)
     ok = offs < num_pairs
     expert = tl.load(ids_ptr + offs, mask=ok, other=0).to(tl.int32)
+    ok = ok & (expert >= 0)
     slot = tl.atomic_add(cursor_ptr + expert, tl.full((CHUNK,), 1, tl.int32), mask=ok, sem="relaxed")
     tl.store(sorted_ptr + slot, offs.to(tl.int32), mask=ok)
 
@@ -331,6 +399,8 @@ def _moe_gemm_kernel(
     rows_ptr,  # int32 [C]: sorted pair ids (SORTED)
     experts_ptr,  # SORTED: int32 [C / BLOCK_M] expert per tile; else int32/int64 [P] expert per pair
     ntpp_ptr,  # int32 [1]: used sorted rows (SORTED)
+    as_ptr,  # float32 activation scales (QUANT): [T, Kd / BLOCK_K] per k-group (1), [T] per row (2)
+    ws_ptr,  # float32 weight scales (QUANT): [E, N / SCALE_BN, Kd / BLOCK_K] per block (1), [E, N] (2)
     N,
     Kd,
     num_pairs,
@@ -339,6 +409,10 @@ def _moe_gemm_kernel(
     stride_we,
     stride_wn,
     stride_cm,
+    stride_asm,  # activation scales: row stride (k-groups contiguous)
+    stride_wse,
+    stride_wsn,
+    stride_wsk,
     PAIRS_PER_ROW: tl.constexpr,  # K for x (GEMM 1), 1 for the activated intermediate (GEMM 2)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -349,6 +423,8 @@ def _moe_gemm_kernel(
     EVEN_K: tl.constexpr,  # Kd % BLOCK_K == 0
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 operands: full-precision tl.dot (not TF32)
+    QUANT: tl.constexpr = 0,  # e4m3 a and w: 0 none, 1 block scales per k-step, 2 row x column scales after
+    SCALE_BN: tl.constexpr = 128,  # QUANT 1: output features per weight-scale block
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -360,17 +436,32 @@ def _moe_gemm_kernel(
         rows = offs_m
     row_ok = rows < num_pairs  # sentinel rows: zeros in, nothing out
     expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+    if expert < 0:
+        return  # pairs path: a pair of an expert held elsewhere (expert_map -1); its row stays 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (rows // PAIRS_PER_ROW).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    if QUANT == 1:  # this tile's activation scales (k-group 0) and weight-scale blocks (column n // SCALE_BN)
+        as_ptrs = as_ptr + (rows // PAIRS_PER_ROW).to(tl.int64) * stride_asm
+        ws_ptrs = ws_ptr + expert * stride_wse + (offs_n // SCALE_BN).to(tl.int64) * stride_wsn
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, Kd, BLOCK_K):
         k_ok = offs_k < Kd - k0
         a = _load_k(a_ptrs, row_ok[:, None], k_ok[None, :], EVEN_K)
         b = _load_k(w_ptrs, n_ok[None, :], k_ok[:, None], EVEN_K)
-        if SORTED:
+        if QUANT == 1:  # one k-step is one scale group: its e4m3 product, then both scales
+            if SORTED:
+                part = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
+            else:
+                part = tl.sum(tl.trans(a.to(tl.float32)) * b.to(tl.float32), axis=0)[None, :]
+            a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+            b_s = tl.load(ws_ptrs, mask=n_ok, other=0.0)
+            acc += part * a_s[:, None] * b_s[None, :]
+            as_ptrs += 1
+            ws_ptrs += stride_wsk
+        elif SORTED:
             if IEEE:
                 acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision="ieee")
             else:
@@ -379,6 +470,10 @@ def _moe_gemm_kernel(
             acc += tl.sum(tl.trans(a.to(tl.float32)) * b.to(tl.float32), axis=0)[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if QUANT == 2:  # per-row activation scale x per-column weight scale, once after the k loop
+        a_s = tl.load(as_ptr + (rows // PAIRS_PER_ROW).to(tl.int64) * stride_asm, mask=row_ok, other=0.0)
+        b_s = tl.load(ws_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn, mask=n_ok, other=0.0)
+        acc = acc * a_s[:, None] * b_s[None, :]
     if MUL_ROUTED_WEIGHT:
         acc = acc * tl.load(rw_ptr + rows, mask=row_ok, other=0.0)[:, None]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -397,14 +492,34 @@ def moe_gemm(
     *,
     pairs_per_row: int = 1,
     routed_weights: torch.Tensor | None = None,  # float32 [P], contiguous
+    a_scale: torch.Tensor | None = None,  # fp8: float32 [T, ceil(Kd / bk)] (block_shape), else [T, 1]
+    w_scale: torch.Tensor | None = None,  # fp8: float32 [E, ceil(N / bn), ceil(Kd / bk)] (block_shape), else [E, N]
+    block_shape: tuple[int, int] | None = None,  # fp8: (bn, bk) weight-scale blocks; config.BLOCK_K == bk
 ) -> torch.Tensor:
     """One grouped GEMM into ``out``: row p = a[p // pairs_per_row] @ w[expert(p)].T, times
     ``routed_weights[p]`` when given. Rows of pairs the routing leaves out are not written.
+    e4m3 ``a`` and ``w`` (the fp8 path) come with their scales: per (row, k-group) and per weight
+    block with ``block_shape``, else per row and per output feature (module docstring).
     A building block of ``fused_moe``, which checks the arguments; here only ``out``'s shape."""
     num_experts, n, kd = w.shape
     check_tensor("out", out, shape=(routing.num_pairs, n))
     if routing.num_pairs == 0 or n == 0:
         return out
+    quant, scale_bn = 0, 128
+    if w.dtype == FP8_DTYPE:
+        if a_scale is None or w_scale is None or a.dtype != FP8_DTYPE:
+            raise ValueError("e4m3 weights need e4m3 activations and both scales (a_scale, w_scale)")
+        if block_shape is not None:
+            quant, scale_bn = 1, block_shape[0]
+            if config.BLOCK_K != block_shape[1]:
+                raise ValueError(f"block-wise fp8 needs BLOCK_K == the scale block's {block_shape[1]} inputs, "
+                                 f"got {config.BLOCK_K}")
+        else:
+            quant = 2
+    strides_s = (0, 0, 0, 0)
+    if quant:
+        strides_s = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
+                     w_scale.stride(2) if w_scale.dim() == 3 else 0)
     if config.sorted:
         num_pid_m = routing.expert_ids.numel()
         rows, ntpp = routing.sorted_token_ids, routing.num_tokens_post_padded
@@ -414,45 +529,62 @@ def moe_gemm(
     rw = routed_weights if routed_weights is not None else out
     grid = (num_pid_m * triton.cdiv(n, config.BLOCK_N),)
     _moe_gemm_kernel[grid](
-        a, w, out, rw, rows, routing.expert_ids, ntpp,
+        a, w, out, rw, rows, routing.expert_ids, ntpp, a_scale if quant else out, w_scale if quant else out,
         n, kd, routing.num_pairs, num_pid_m,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), *strides_s,
         PAIRS_PER_ROW=pairs_per_row, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         GROUP_M=config.GROUP_M, SORTED=config.sorted, MUL_ROUTED_WEIGHT=routed_weights is not None,
-        EVEN_K=kd % config.BLOCK_K == 0, DOT_DTYPE=dot_dtype(a.dtype), IEEE=a.dtype == torch.float32,
+        EVEN_K=kd % config.BLOCK_K == 0, DOT_DTYPE=fp8_dot_dtype(a.device) if quant else dot_dtype(a.dtype),
+        IEEE=a.dtype == torch.float32, QUANT=quant, SCALE_BN=scale_bn,
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 
 
-def _check_ids_in_range(topk_ids: torch.Tensor, num_experts: int) -> None:
-    """ValueError unless every id lies in [0, num_experts): one host sync (not while capturing)."""
+def _check_ids_in_range(topk_ids: torch.Tensor, num_experts: int, expert_map: torch.Tensor | None = None) -> None:
+    """ValueError unless every id lies in [0, num_experts) (with ``expert_map``: in [0, its length), its
+    values in [-1, num_experts)): host syncs (not while capturing)."""
     if topk_ids.numel() == 0 or (topk_ids.is_cuda and torch.cuda.is_current_stream_capturing()):
         return
+    bound, what = (num_experts, "E = w13.shape[0]") if expert_map is None else (len(expert_map), "expert_map's length")
     lo, hi = (int(v) for v in torch.aminmax(topk_ids))
-    if lo < 0 or hi >= num_experts:
-        raise ValueError(f"topk_ids must lie in [0, {num_experts}) (E = w13.shape[0]), got ids from {lo} to {hi}")
+    if lo < 0 or hi >= bound:
+        raise ValueError(f"topk_ids must lie in [0, {bound}) ({what}), got ids from {lo} to {hi}")
+    if expert_map is not None:
+        check_expert_map(expert_map, num_experts)
 
 
 def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                   topk_ids: torch.Tensor, *, check_ids: bool = True) -> None:
+                   topk_ids: torch.Tensor, *, check_ids: bool = True, expert_map: torch.Tensor | None = None,
+                   w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
+                   block_shape: tuple[int, int] | None = None) -> None:
     """ValueError/TypeError naming the argument unless the tensors fit the contract (module docstring)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = check_device(x, "x")
     m, h = x.shape
-    check_tensor("w13", w13, ndim=3, dtypes=(x.dtype,), device=device)
+    w_dtypes = (FP8_DTYPE,) if w13.dtype == FP8_DTYPE else (x.dtype,)
+    check_tensor("w13", w13, ndim=3, dtypes=w_dtypes, device=device)
     num_experts, two_i, _ = w13.shape
     if two_i % 2:
         raise ValueError(f"w13 must stack gate and up projections ([E, 2I, H]), got an odd dim 1: {tuple(w13.shape)}")
     check_tensor("w13", w13, shape=(num_experts, two_i, h))
-    check_tensor("w2", w2, shape=(num_experts, h, two_i // 2), dtypes=(x.dtype,), device=device)
+    check_tensor("w2", w2, shape=(num_experts, h, two_i // 2), dtypes=w_dtypes, device=device)
+    if block_shape is not None and (block_shape[1] < 16 or block_shape[1] & (block_shape[1] - 1)):
+        raise ValueError(f"block_shape {tuple(block_shape)}: the kernel's reduction step is the scale block's "
+                         "inputs, which must be a power of two >= 16 (fused_moe_ref takes any)")
+    check_fp8_moe_scales(w13, w2, w13_scale, w2_scale, block_shape)
+    if w13_scale is not None:
+        check_tensor("w13_scale", w13_scale, device=device, contiguous=True)
+        check_tensor("w2_scale", w2_scale, device=device, contiguous=True)
     check_tensor("topk_ids", topk_ids, ndim=2, dtypes=_ID_DTYPES, device=device, contiguous=True)
     if topk_ids.shape[0] != m:
         raise ValueError(f"topk_ids must have one row per token ({m}), got shape {tuple(topk_ids.shape)}")
     check_tensor("topk_weights", topk_weights, shape=tuple(topk_ids.shape), dtypes=(torch.float32,),
                  device=device, contiguous=True)
+    if expert_map is not None:
+        check_tensor("expert_map", expert_map, ndim=1, dtypes=_ID_DTYPES, device=device, contiguous=True)
     if check_ids:
-        _check_ids_in_range(topk_ids, num_experts)
+        _check_ids_in_range(topk_ids, num_experts, expert_map)
 
 
 def fused_moe(
@@ -465,6 +597,11 @@ def fused_moe(
     config: MoEConfig | None = None,
     apply_router_weight_on_input: bool = False,
     check: bool = True,
+    expert_map: torch.Tensor | None = None,  # [E_global] -> local expert or -1 (module docstring)
+    w13_scale: torch.Tensor | None = None,  # e4m3 experts: float32 scales (module docstring)
+    w2_scale: torch.Tensor | None = None,
+    block_shape: tuple[int, int] | None = None,  # (bn, bk): block-wise scales, per-token-group activations
+    intermediate_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,  # per-token scales under TP
 ) -> torch.Tensor:  # [M, H], x.dtype
     """The routed experts' SwiGLU MLPs summed over each token's top-k slots (module docstring).
 
@@ -473,7 +610,8 @@ def fused_moe(
     out-of-range ids are then undefined behaviour).
     """
     if check:
-        check_moe_args(x, w13, w2, topk_weights, topk_ids)
+        check_moe_args(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_scale=w13_scale,
+                       w2_scale=w2_scale, block_shape=block_shape)
     m, h = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -481,16 +619,45 @@ def fused_moe(
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)
     if pairs == 0:
         return out.zero_()
-    config = config or pick_config(m, num_experts, two_i // 2, h, x.dtype, top_k=top_k,
-                                   table=table_for(x, num_experts, two_i // 2))
+    fp8 = w13.dtype == FP8_DTYPE
+    block = (int(block_shape[0]), int(block_shape[1])) if fp8 and block_shape is not None else None
+    config = config or pick_config(m, num_experts, two_i // 2, h, x.dtype, top_k=top_k, fp8=fp8, block_shape=block,
+                                   table=table_for(x, num_experts, two_i // 2, fp8, block))
+    if expert_map is not None:
+        topk_ids = expert_map.index_select(0, topk_ids.reshape(-1)).view(topk_ids.shape)
     routing = route(topk_ids, num_experts, config)
     weights = topk_weights.reshape(-1)
     inter1 = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)
+    scales1 = scales2 = {}
+    if fp8:  # e4m3 activations: x per token (per group of bk inputs with block scales), then the intermediate
+        xq, xs = quantize_moe_activations(x, block)
+        x, scales1 = xq, dict(a_scale=xs, w_scale=w13_scale, block_shape=block)
     moe_gemm(x, w13, inter1, routing, config, pairs_per_row=top_k,
-             routed_weights=weights if apply_router_weight_on_input else None)
+             routed_weights=weights if apply_router_weight_on_input else None, **scales1)
     inter = silu_and_mul(inter1)
-    inter2 = out if top_k == 1 else torch.empty((pairs, h), dtype=x.dtype, device=x.device)
-    moe_gemm(inter, w2, inter2, routing, config, routed_weights=None if apply_router_weight_on_input else weights)
+    if fp8:
+        inter, i_scale = quantize_moe_activations(inter, block, intermediate_amax)
+        scales2 = dict(a_scale=i_scale, w_scale=w2_scale, block_shape=block)
+    inter2 = out if top_k == 1 else torch.empty((pairs, h), dtype=out.dtype, device=out.device)
+    if expert_map is not None:
+        inter2.zero_()  # rows of pairs held elsewhere are not written
+    moe_gemm(inter, w2, inter2, routing, config, routed_weights=None if apply_router_weight_on_input else weights,
+             **scales2)
     if top_k > 1:
         torch.sum(inter2.view(m, top_k, h), dim=1, out=out)
     return out
+
+
+def quantize_moe_activations(
+    x: torch.Tensor,  # [T, K] bf16/fp16/fp32
+    block_shape: tuple[int, int] | None,
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (e4m3 [T, K], float32 [T, ceil(K / bk)] or [T, 1])
+    """The e4m3 activations of a GEMM over fp8 experts (``fused_moe_ref.quantize_moe_activations_ref``):
+    per token and per group of bk inputs (``block_shape``), else per token; ``amax_reduce`` maps each
+    row's |max| [T, 1] to the whole row's when the row is split over ranks (per token only)."""
+    if block_shape is not None:
+        return quantize_fp8_groups(x, block_shape[1])
+    if amax_reduce is None:
+        return quantize_fp8(x)
+    return quantize_fp8(x, fp8_scale_from_amax(amax_reduce(x.abs().amax(-1, keepdim=True).float())).contiguous())

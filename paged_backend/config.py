@@ -37,6 +37,9 @@ class EngineConfig(BaseModel):
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="explicit KV budget (CPU default: 1/4 of free RAM, max 4 GiB)")
     num_gpu_blocks_override: int | None = Field(None, ge=2)
     tensor_parallel_size: int = Field(1, ge=1)
+    enable_expert_parallel: bool = Field(False, description="MoE models: each tensor-parallel rank holds whole "
+                                         "experts (E / tensor_parallel_size of them) instead of a slice of every "
+                                         "expert; a no-op at tensor_parallel_size 1 and on dense models (vLLM's flag)")
     quantization: str | None = None
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"

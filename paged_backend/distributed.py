@@ -8,6 +8,9 @@
 
 Under ``torchrun`` the default group from the environment is used; the engine's own spawned
 workers rendezvous through a ``TCPStore`` that rank 0 hosts.
+
+``TPGroup.expert_parallel`` (``enable_expert_parallel``) says how the model's routed experts split
+over the same ranks: whole experts per rank instead of every expert's features (models/moe.py).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ class TPGroup:
     device: torch.device
     device_group: Any = None  # dist.ProcessGroup
     control_group: Any = None  # dist.ProcessGroup (gloo)
+    expert_parallel: bool = False  # MoE layers: whole experts per rank (models/parallel.py expert_range)
 
     @property
     def backend(self) -> str:
@@ -82,6 +86,7 @@ def init_tp_group(
     device: torch.device,
     store: dist.Store | None = None,
     timeout_s: float = DEVICE_TIMEOUT_S,
+    expert_parallel: bool = False,
 ) -> TPGroup:
     """Joins (or, under torchrun, reuses) the default process group and adds the control group."""
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -95,7 +100,7 @@ def init_tp_group(
         raise ValueError(f"the process group has {dist.get_world_size()} ranks but tensor_parallel_size is "
                          f"{world_size} (run torchrun with --nproc-per-node {world_size})")
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
-    return TPGroup(dist.get_rank(), world_size, device, dist.group.WORLD, control)
+    return TPGroup(dist.get_rank(), world_size, device, dist.group.WORLD, control, expert_parallel)
 
 
 def destroy_tp_group() -> None:

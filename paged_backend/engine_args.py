@@ -38,6 +38,7 @@ _ENGINE_BOOLS = {
     "--disable-log-stats": ("disable_log_stats", True),
     "--enforce-eager": ("enforce_eager", True),
     "--skip-tokenizer-init": ("skip_tokenizer_init", True),
+    "--enable-expert-parallel": ("enable_expert_parallel", True),
     "--async-scheduling": ("async_scheduling", True),
     "--no-async-scheduling": ("async_scheduling", False),
 }

@@ -26,9 +26,10 @@ PROMPTS = [[5, 17, 33, 4, 9, 100, 21], [7, 8, 9], list(range(30, 75)), [5, 17, 3
 SCHEDULES = {"batched": {}, "one-at-a-time": {"max_num_seqs": 1}, "chunked": {"max_num_batched_tokens": 16}}
 
 
-def hf_greedy(path: Path) -> list[list[int]]:
-    """transformers' greedy continuation of each prompt, one prompt at a time (fp32, eager attention)."""
-    hf = hf_model(path)
+def hf_greedy(path: Path, hf=None) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one prompt at a time (fp32, eager attention;
+    ``hf``: that model instead of the one at ``path``)."""
+    hf = hf_model(path) if hf is None else hf
     out = []
     for ids in PROMPTS:
         tokens = hf.generate(torch.tensor([ids]), max_new_tokens=NEW, do_sample=False, eos_token_id=None,
@@ -67,13 +68,15 @@ def check_prefix_cache_and_preemption(path: Path, expected: list[list[int]]) -> 
     assert_no_leak(small.engine)
 
 
-def check_tensor_parallel_2(path: Path, expected: list[list[int]]) -> None:
-    """Split over 2 ranks (gloo on the CPU), the greedy tokens are still ``expected``."""
-    llm = tiny_llm(path, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 20)
+def check_tensor_parallel_2(path: Path, expected: list[list[int]], **kw) -> LLM:
+    """Split over 2 ranks (gloo on the CPU; engine options ``kw``), the greedy tokens are still
+    ``expected``; returns the engine, shut down (rank 0's model stays readable)."""
+    llm = tiny_llm(path, tensor_parallel_size=2, kv_cache_memory_bytes=1 << 20, **kw)
     try:
         assert greedy_tokens(llm) == expected
     finally:
         llm.engine.shutdown()
+    return llm
 
 
 def check_cuda_triton_greedy(path: Path, expected: list[list[int]], **kw) -> None:
@@ -87,6 +90,19 @@ def check_cuda_triton_greedy(path: Path, expected: list[list[int]], **kw) -> Non
         assert_no_leak(llm.engine)
     finally:
         llm.engine.shutdown()
+
+
+def scale_routers(path: Path, factor: float = 8.0) -> None:
+    """Routers' weights scaled up, so no routing decision of the test prompts is a near-tie; a random
+    routing-correction bias where the router has one (saved as zeros)."""
+    tensors = load_file(path / "model.safetensors")
+    gen = torch.Generator().manual_seed(1)
+    for name, t in tensors.items():
+        if name.endswith(".gate.weight"):
+            tensors[name] = t * factor
+        if name.endswith(".gate.e_score_correction_bias"):
+            tensors[name] = 0.5 * torch.randn(t.shape, generator=gen)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
 
 
 def rewrite_checkpoint(src: Path, dst: Path, edit: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -38,3 +39,75 @@ def write_fp8_checkpoint(src: Path, dst: Path, per_channel: bool, scheme: str) -
     cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": scheme}
     (dst / "config.json").write_text(json.dumps(cfg))
     return out
+
+
+# -- fp8 mixture-of-experts checkpoints: every decoder linear (attention, dense MLPs, shared and routed
+# experts) in e4m3; the routers, embeddings, norms and lm_head stay dense, as the FP8 releases ship them
+
+_MOE_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.[qkvo]_proj|mlp\.(shared_experts\.|experts\.\d+\.)?"
+                         r"(gate|up|down)_proj|block_sparse_moe\.experts\.\d+\.w[123])\.weight$")
+
+
+def fp8_moe_quant_config(fmt: str, num_layers: int, block: tuple[int, int] = (128, 128)) -> dict:
+    """config.json's ``quantization_config`` of ``fmt``: "block" (``quant_method: fp8`` with
+    ``weight_block_size``, as DeepSeek-V3 / Qwen3-FP8 write it) or "channel" (compressed-tensors
+    ``float-quantized``, channel weights and dynamic per-token activations, the routers ignored, as
+    zai-org's GLM-4.5-FP8 release reads)."""
+    if fmt == "block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3", "weight_block_size": list(block)}
+    weights = {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True, "dynamic": False,
+               "group_size": None, "block_structure": None}
+    acts = {"num_bits": 8, "type": "float", "strategy": "token", "symmetric": True, "dynamic": True}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts}},
+            "ignore": ["lm_head", *[f"model.layers.{n}.mlp.gate" for n in range(num_layers + 1)]]}
+
+
+def quantize_fp8_weight(w: torch.Tensor, fmt: str, block: tuple[int, int] = (128, 128)
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(e4m3 weight, its scale as the checkpoint stores it, the dequantized float32 weight), written out
+    block by block (``weight_scale_inv`` [ceil(N/bn), ceil(K/bk)]) or row by row (``weight_scale`` [N, 1])."""
+    if fmt == "channel":
+        scale = (w.abs().amax(dim=1, keepdim=True).float() / FP8_MAX).clamp_min(1e-12)
+        q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+        return q, scale, q.float() * scale
+    bn, bk = block
+    n, k = w.shape
+    scale = torch.empty(-(-n // bn), -(-k // bk))
+    q = torch.empty(n, k, dtype=FP8_DTYPE)
+    deq = torch.empty(n, k)
+    for r in range(scale.shape[0]):
+        for c in range(scale.shape[1]):
+            rows, cols = slice(r * bn, (r + 1) * bn), slice(c * bk, (c + 1) * bk)
+            scale[r, c] = (w[rows, cols].abs().max() / FP8_MAX).clamp_min(1e-12)
+            q[rows, cols] = (w[rows, cols] / scale[r, c]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            deq[rows, cols] = q[rows, cols].float() * scale[r, c]
+    return q, scale, deq
+
+
+def write_fp8_moe_checkpoint(src: Path, dst: Path, deq_dst: Path, fmt: str, block: tuple[int, int] = (128, 128)
+                             ) -> set[str]:
+    """Quantizes ``src``'s decoder linears (``_MOE_LINEAR``) to ``fmt`` into ``dst``, and writes the
+    dequantized float32 weights into ``deq_dst`` (config.json without a quantization config: what
+    transformers runs for the expected tokens). Returns the quantized modules' names."""
+    tensors = load_file(src / "model.safetensors")
+    out, deq, names = {}, {}, set()
+    suffix = "weight_scale_inv" if fmt == "block" else "weight_scale"
+    for name, t in tensors.items():
+        if _MOE_LINEAR.match(name):
+            q, scale, w = quantize_fp8_weight(t, fmt, block)
+            out[name], out[name.replace(".weight", f".{suffix}")], deq[name] = q, scale, w
+            names.add(name.removesuffix(".weight"))
+        else:
+            out[name] = deq[name] = t
+    cfg = json.loads((src / "config.json").read_text())
+    for folder, weights in ((dst, out), (deq_dst, deq)):
+        folder.mkdir(parents=True)
+        for f in src.iterdir():
+            if f.name not in ("model.safetensors", "config.json"):
+                (folder / f.name).write_bytes(f.read_bytes())
+        save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
+    (deq_dst / "config.json").write_text(json.dumps(cfg))
+    cfg["quantization_config"] = fp8_moe_quant_config(fmt, cfg["num_hidden_layers"], block)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return names

@@ -7,7 +7,9 @@ replays over four routings (GPU time, as the engine replays its steps); the refe
 syncs with the host, by ``triton.testing.do_bench`` (median, L2 flushed). The weight bandwidth counts the bytes of the experts the
 batch touches (the decode floor), over the kernel's time. Prints a table last.
 
-``--tune`` writes that table instead (``moe_tune.py``).
+``--tune`` writes that table instead (``moe_tune.py``). ``--quant fp8-block`` (128 x 128 block scales,
+activations per token and 128 inputs) or ``fp8-channel`` (per-channel scales, per-token activations)
+runs e4m3 experts, with ``--dtype`` the activations' type; the bandwidth then counts e4m3 bytes.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import functools
 import os
 import sys
 
+from paged_backend.benchmarks.moe_tune import QUANTS
 from paged_backend.benchmarks.results import parse_ints, rel_err, report_check, run_header
 from paged_backend.benchmarks.timing import do_bench_ms
 
@@ -32,6 +35,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hidden", type=int, default=4096)
     p.add_argument("--intermediate", type=int, default=14336, help="one expert's intermediate size")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--quant", choices=QUANTS, default="none", help="e4m3 experts: block-wise 128 x 128 or "
+                   "per-channel weight scales (dynamic fp8 activations)")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench's timing budget for the reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tune", action="store_true", help="search the configs per M and write the tuning table")
@@ -69,23 +74,24 @@ def run(args: argparse.Namespace) -> int:
 
     dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
-    w13, w2 = moe_weights(e, i, h, dtype, args.seed)
-    table = table_for(w13, e, i)
+    w13, w2, quant = moe_weights(e, i, h, dtype, args.seed, args.quant)
+    fp8, block = bool(quant), quant.get("block_shape")
+    table = table_for(torch.empty(0, dtype=dtype, device=dev), e, i, fp8, block)
     print(run_header(torch.cuda.get_device_name(dev)), flush=True)
-    print(f"E {e}, top-{k}, H {h}, I {i}, {args.dtype}, "
+    print(f"E {e}, top-{k}, H {h}, I {i}, {args.dtype}, experts {args.quant}, "
           f"{'tuned table' if table else 'no tuned table for this device: default configs'}", flush=True)
     rows, failures = [], []
-    tol = 1e-4 if dtype == torch.float32 else 2e-2
+    tol = (2e-3 if fp8 else 1e-4) if dtype == torch.float32 else 2e-2  # fp8: an intermediate rounding flip
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     for m in parse_ints(args.m):
         sets = routing_sets(m, e, k, h, dtype, args.seed)
         x, weights, ids = sets[0]
-        report_check(f"M {m}", rel_err(fused_moe(x, w13, w2, weights, ids), fused_moe_ref(x, w13, w2, weights, ids)),
-                     tol, failures)
-        ours = time_moe_ms(None, w13, w2, sets)
-        ref = do_bench_ms(functools.partial(fused_moe_ref, x, w13, w2, weights, ids), args.rep_ms)
+        report_check(f"M {m}", rel_err(fused_moe(x, w13, w2, weights, ids, **quant),
+                                       fused_moe_ref(x, w13, w2, weights, ids, **quant)), tol, failures)
+        ours = time_moe_ms(None, w13, w2, sets, quant=quant)
+        ref = do_bench_ms(functools.partial(fused_moe_ref, x, w13, w2, weights, ids, **quant), args.rep_ms)
         touched = sum(int(torch.unique(s[2]).numel()) for s in sets) / len(sets)
-        cfg = pick_config(m, e, i, h, dtype, top_k=k, table=table)
+        cfg = pick_config(m, e, i, h, dtype, top_k=k, table=table, fp8=fp8, block_shape=block)
         rows.append((m, "pairs" if cfg.BLOCK_M == 1 else f"sorted {cfg.BLOCK_M}-row", ours, ref, touched,
                      touched * expert_bytes / (ours * 1e-3) / 1e12))
     print(f"{'M':>6} | {'path':<15} | {'fused_moe us':>12} | {'reference us':>12} | {'experts':>7} | {'weights TB/s':>12}")

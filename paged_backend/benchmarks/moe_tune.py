@@ -18,6 +18,10 @@ The search has two rounds per M:
 Tiles whose pipeline would not fit the shared memory are skipped. Every candidate is compiled
 first in ``--jobs`` worker processes on the same GPU (each compiles its share; Triton's on-disk
 cache then serves the timing process), so the timing process spends its time timing.
+
+``--quant fp8-block`` / ``fp8-channel`` tunes e4m3 experts (block-wise 128 x 128 scales, or one
+per output channel) and writes vLLM's fp8 table name (``...,dtype=fp8_w8a8[,block_shape=[128,128]].json``);
+block-wise candidates all step 128 inputs (one scale group), channel ones at least 64.
 """
 
 from __future__ import annotations
@@ -45,21 +49,23 @@ def _smem_ok(cfg, elem_bytes: int) -> bool:
     return (cfg.BLOCK_M * cfg.BLOCK_K + cfg.BLOCK_K * cfg.BLOCK_N) * elem_bytes * cfg.num_stages <= SMEM_BYTES
 
 
-def tile_candidates(m: int, e: int, k: int, elem_bytes: int = 2) -> list:
-    """Round one: the tile shapes (and warp counts) worth timing for M tokens over E experts, top-k."""
+def tile_candidates(m: int, e: int, k: int, elem_bytes: int = 2, block_k: int | None = None) -> list:
+    """Round one: the tile shapes (and warp counts) worth timing for M tokens over E experts, top-k
+    (``block_k``: block-wise fp8, every step exactly one scale group)."""
     from paged_backend.kernels.fused_moe import MoEConfig
 
     pairs = m * k
+    steps = (block_k,) if block_k else (64, 128, 256)
     out = []
     if pairs <= PAIRS_TUNE_MAX:
         out += [MoEConfig(BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=4, num_stages=2)
-                for bn in (16, 32, 64, 128) for bk in (64, 128, 256)]
+                for bn in (16, 32, 64, 128) for bk in steps]
     per_expert = pairs / min(e, pairs)
     for bm in (16, 32, 64, 128):
         if bm > 16 and bm > 2 * per_expert:
             continue
         out += [MoEConfig(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=3)
-                for bn in (32, 64, 128, 256) for bk in (64, 128, 256) for w in (4, 8)]
+                for bn in (32, 64, 128, 256) for bk in steps for w in (4, 8)]
     return [c for c in out if _smem_ok(c, elem_bytes)]
 
 
@@ -78,13 +84,40 @@ def launch_candidates(best: list, elem_bytes: int = 2) -> list:
 # -- inputs (the same in the workers and the timing process) --------------------------------------
 
 
-def moe_weights(e: int, i: int, h: int, dtype, seed: int):
+QUANTS = ("none", "fp8-block", "fp8-channel")
+FP8_BLOCK = (128, 128)
+
+
+def quant_block(quant: str) -> tuple[int, int] | None:
+    return FP8_BLOCK if quant == "fp8-block" else None
+
+
+def moe_weights(e: int, i: int, h: int, dtype, seed: int, quant: str = "none"):
+    """(w13, w2, the MoE op's scale arguments): seeded experts in ``dtype``, or e4m3 with their scales
+    (``quant``: fp8-block, 128 x 128 blocks; fp8-channel, one per output row)."""
     import torch
 
+    from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, FP8_MAX, expand_block_scales
+
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5).to(dtype)
-    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5).to(dtype)
-    return w13, w2
+    w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5
+    w2 = torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5
+    if quant == "none":
+        return w13.to(dtype), w2.to(dtype), {}
+    out, block = [], quant_block(quant)
+    for w in (w13, w2):
+        n, k = w.shape[1:]
+        if block is None:
+            scale = w.abs().amax(-1) / FP8_MAX
+            full = scale[..., None]
+        else:
+            bn, bk = block
+            rows, cols = -(-n // bn), -(-k // bk)
+            padded = torch.nn.functional.pad(w, (0, cols * bk - k, 0, rows * bn - n))
+            scale = padded.reshape(e, rows, bn, cols, bk).abs().amax(dim=(2, 4)) / FP8_MAX
+            full = torch.stack([expand_block_scales(s, n, k, bn, bk) for s in scale])
+        out += [(w / full).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale.float().contiguous()]
+    return out[0], out[2], dict(w13_scale=out[1], w2_scale=out[3], block_shape=block)
 
 
 def routing_sets(m: int, e: int, k: int, h: int, dtype, seed: int, copies: int = ROUTINGS) -> list[tuple]:
@@ -102,24 +135,25 @@ def routing_sets(m: int, e: int, k: int, h: int, dtype, seed: int, copies: int =
     return out
 
 
-def time_moe_ms(cfg, w13, w2, sets: list[tuple], replays: int = 10) -> float:
+def time_moe_ms(cfg, w13, w2, sets: list[tuple], replays: int = 10, quant: dict | None = None) -> float:
     """GPU ms per call of ``fused_moe`` with ``cfg`` (None: its own pick) over ``sets``, as CUDA-graph
-    replays (no host launch time: the engine replays its steps as graphs too)."""
+    replays (no host launch time: the engine replays its steps as graphs too); ``quant``: the fp8
+    experts' scale arguments."""
     from paged_backend.benchmarks.timing import time_graph_ms
     from paged_backend.kernels.fused_moe import fused_moe
 
-    return time_graph_ms([lambda s=s: fused_moe(s[0], w13, w2, s[1], s[2], config=cfg, check=False)
+    return time_graph_ms([lambda s=s: fused_moe(s[0], w13, w2, s[1], s[2], config=cfg, check=False, **(quant or {}))
                           for s in sets], replays)
 
 
 _WORKER: dict = {}
 
 
-def _worker_init(e: int, i: int, h: int, k: int, dtype_name: str, seed: int) -> None:
+def _worker_init(e: int, i: int, h: int, k: int, dtype_name: str, seed: int, quant: str = "none") -> None:
     import torch
 
     dtype = getattr(torch, dtype_name)
-    _WORKER.update(shape=(e, i, h, k), dtype=dtype, seed=seed, w=moe_weights(e, i, h, dtype, seed))
+    _WORKER.update(shape=(e, i, h, k), dtype=dtype, seed=seed, w=moe_weights(e, i, h, dtype, seed, quant))
 
 
 def _compile_one(task: tuple[dict, int]) -> str | None:
@@ -131,8 +165,9 @@ def _compile_one(task: tuple[dict, int]) -> str | None:
     cfg_fields, m = task
     e, _, h, k = _WORKER["shape"]
     x, tw, ids = routing_sets(m, e, k, h, _WORKER["dtype"], _WORKER["seed"], copies=1)[0]
+    w13, w2, quant = _WORKER["w"]
     try:
-        fused_moe(x, *_WORKER["w"], tw, ids, config=MoEConfig(**cfg_fields), check=False)
+        fused_moe(x, w13, w2, tw, ids, config=MoEConfig(**cfg_fields), check=False, **quant)
         torch.cuda.synchronize()
     except Exception as exc:  # a config this GPU cannot run (resources): reported, then skipped
         return f"{type(exc).__name__}: {str(exc).splitlines()[0][:160] if str(exc) else ''}"
@@ -147,7 +182,7 @@ class Compiler:
 
         self.pool = None
         if args.jobs > 1:
-            init = (args.experts, args.intermediate, args.hidden, args.top_k, args.dtype, args.seed)
+            init = (args.experts, args.intermediate, args.hidden, args.top_k, args.dtype, args.seed, args.quant)
             self.pool = mp.get_context("spawn").Pool(args.jobs, initializer=_worker_init, initargs=init)
         self.jobs = args.jobs
 
@@ -168,10 +203,10 @@ class Compiler:
             self.pool.terminate()
 
 
-def _time(cfg, w13, w2, sets: list[tuple]) -> float:
+def _time(cfg, w13, w2, sets: list[tuple], quant: dict) -> float:
     """``time_moe_ms``, or inf when the config cannot run here."""
     try:
-        return time_moe_ms(cfg, w13, w2, sets)
+        return time_moe_ms(cfg, w13, w2, sets, quant=quant)
     except Exception:
         return math.inf
 
@@ -180,24 +215,26 @@ def tune(args: argparse.Namespace) -> int:
     """Writes the table for the current device (see the module docstring); 1 if a winner fails its check."""
     import torch
 
-    from paged_backend.kernels.fused_moe import config_file_name, fused_moe, pick_config
+    from paged_backend.kernels.fused_moe import FP8_SELECTOR, config_file_name, fused_moe, pick_config
     from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 
     dtype = getattr(torch, args.dtype)
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
-    elem = torch.empty((), dtype=dtype).element_size()
+    fp8, block = args.quant != "none", quant_block(args.quant)
+    elem = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
     device_name = torch.cuda.get_device_name()
     print(run_header(device_name), flush=True)
-    print(f"tuning E {e}, top-{k}, H {h}, I {i}, {args.dtype}", flush=True)
+    print(f"tuning E {e}, top-{k}, H {h}, I {i}, {args.dtype}, experts {args.quant}", flush=True)
     ms = parse_ints(args.m)
-    w13, w2 = moe_weights(e, i, h, dtype, args.seed)
+    w13, w2, quant = moe_weights(e, i, h, dtype, args.seed, args.quant)
     inputs = {m: routing_sets(m, e, k, h, dtype, args.seed) for m in ms}
 
     def timed(cfg, m: int) -> float:
-        return _time(cfg, w13, w2, inputs[m])
+        return _time(cfg, w13, w2, inputs[m], quant)
 
-    defaults = {m: pick_config(m, e, i, h, dtype, top_k=k) for m in ms}
-    tiles = {m: tile_candidates(m, e, k, elem) for m in ms}
+    defaults = {m: pick_config(m, e, i, h, dtype, top_k=k, fp8=fp8, block_shape=block) for m in ms}
+    tiles = {m: [c for c in tile_candidates(m, e, k, elem, block and block[1]) if not fp8 or c.BLOCK_K >= 64]
+             for m in ms}
     compiler = Compiler(args)
     try:
         compiler.compile([(c, m) for m in ms for c in (defaults[m], *tiles[m])])
@@ -212,14 +249,14 @@ def tune(args: argparse.Namespace) -> int:
         times = {**round1[m], **{c: timed(c, m) for c in launches[m] if c not in round1[m]}}
         best = min(times, key=times.get)
         x, tw, ids = inputs[m][0]
-        got = fused_moe(x, w13, w2, tw, ids, config=best, check=False)
-        if not report_check(f"M {m} best", rel_err(got, fused_moe_ref(x, w13, w2, tw, ids)), 2e-2, failures):
+        got = fused_moe(x, w13, w2, tw, ids, config=best, check=False, **quant)
+        if not report_check(f"M {m} best", rel_err(got, fused_moe_ref(x, w13, w2, tw, ids, **quant)), 2e-2, failures):
             continue
         best_cfgs[m] = best
         rows.append((m, best, times[best], t_default[m]))
         print(f"  M {m}: {times[best] * 1e3:.1f} us with {best} ({len(times)} timed; "
               f"default {t_default[m] * 1e3:.1f} us)", flush=True)
-    name = config_file_name(e, i, device_name)
+    name = config_file_name(e, i, device_name, FP8_SELECTOR if fp8 else None, block)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, name)
     table = {str(m): {"BLOCK_SIZE_M": c.BLOCK_M, "BLOCK_SIZE_N": c.BLOCK_N, "BLOCK_SIZE_K": c.BLOCK_K,

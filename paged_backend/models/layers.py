@@ -35,7 +35,9 @@ class ModelOps:
     silu_and_mul(x [T, 2I]) -> [T, I]
     rotary(positions, q [T, H, D], k [T, Hkv, D], cos_sin_cache [P, R <= D], q_scale=None, interleaved=False)
         -> (q, k): the first R dims of each head rotated (neox halves or interleaved pairs), the rest copied
-    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K]) -> [T, H]
+    fused_moe(x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [T, K], topk_ids [T, K], *, expert_map=None)
+        -> [T, H]; expert_map [E_global]: global id -> index in w13 / w2, -1 = held elsewhere (skipped);
+        fp8 experts: e4m3 w13 / w2 with ``w13_scale``, ``w2_scale`` (+ ``block_shape``; fused_moe_ref.py)
     """
 
     rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor | None]]

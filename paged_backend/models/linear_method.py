@@ -37,3 +37,29 @@ class LinearMethod(ABC):
         """Fills the parameters ``create_weights`` registered with random values a checkpoint could
         hold (dequantized weights of about standard deviation ``std``), for ``load_format="dummy"``."""
         raise NotImplementedError(f"{type(self).__name__} has no dummy weights")
+
+
+class MoEMethod(ABC):
+    """How a layer's routed experts (``models/moe.py`` ``FusedMoE``) hold, load and apply quantized
+    weights: the same life cycle as ``LinearMethod``, over the stacked ``w13`` / ``w2``::
+
+        method.create_weights(layer)                  replaces w13 / w2 and adds the scales, each a
+            per-expert parameter loaded like them (``FusedMoE.add_expert_param``)
+        method.process_weights_after_loading(layer)
+        layer.forward -> moe_op(x, w13, w2, weights, ids, **method.op_kwargs(layer))
+    """
+
+    @abstractmethod
+    def create_weights(self, layer: nn.Module) -> None:
+        """Registers the checkpoint-format expert parameters on ``layer``."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:  # noqa: B027 - optional hook
+        """Converts the loaded parameters into what ``op_kwargs`` hands the MoE op (default: nothing)."""
+
+    @abstractmethod
+    def op_kwargs(self, layer: nn.Module) -> dict:
+        """The MoE op's keyword arguments for these weights (``kernels/fused_moe_ref.py``: the scales)."""
+
+    def init_dummy_weights(self, layer: nn.Module, gen: torch.Generator, std: float) -> None:
+        """Random expert tensors in the checkpoint's format (``load_format="dummy"``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no dummy weights")

@@ -12,6 +12,9 @@ rank reads only its slice (``LazyTensor`` wraps safetensors' mmap ``get_slice``)
 KV heads: ``Hkv >= tp``: Hkv/tp heads per rank; ``Hkv < tp`` (tp % Hkv == 0): each rank
 holds one KV head, head ``r * Hkv // tp``, which is the one its q heads attend to.
 
+Routed experts (``models/moe.py``): every expert's intermediate features split over the ranks, or
+with expert parallelism (``TPGroup.expert_parallel``) whole experts per rank, ``expert_range``.
+
 With ``tp=None`` the factories return the plain single-device layers (``FusedLinear``,
 ``Embedding``), so a tensor_parallel_size == 1 model is exactly what it always was.
 """
@@ -159,6 +162,18 @@ def kv_head_range(num_kv_heads: int, tp: TPGroup | None) -> tuple[int, int]:
     return tp.rank * num_kv_heads // tp.world_size, 1
 
 
+def expert_range(num_experts: int, tp: TPGroup | None) -> tuple[int, int]:
+    """(first expert, count) of the routed experts this rank holds whole under expert parallelism.
+
+    vLLM's linear placement: contiguous blocks in rank order, ``E // tp`` experts each and one more
+    on each of the first ``E % tp`` ranks (E = 10 over 4 ranks: 3, 3, 2, 2). Without TP: all of them.
+    """
+    if tp is None:
+        return 0, num_experts
+    base, extra = divmod(num_experts, tp.world_size)
+    return tp.rank * base + min(tp.rank, extra), base + int(tp.rank < extra)
+
+
 def local_heads(info: ModelInfo, tp: TPGroup | None) -> tuple[int, int]:
     """(q heads, KV heads) on this rank."""
     if tp is None:
@@ -166,17 +181,23 @@ def local_heads(info: ModelInfo, tp: TPGroup | None) -> tuple[int, int]:
     return split(info.num_heads, tp, "num_attention_heads")[1], kv_head_range(info.num_kv_heads, tp)[1]
 
 
-def check_tp_compatible(info: ModelInfo, tp_size: int) -> None:
-    """Raises ValueError (before any process starts) when the model cannot be split ``tp_size`` ways."""
+def check_tp_compatible(info: ModelInfo, tp_size: int, expert_parallel: bool = False) -> None:
+    """Raises ValueError (before any process starts) when the model cannot be split ``tp_size`` ways
+    (``expert_parallel``: routed experts whole per rank; a no-op on a model without experts)."""
     if info.num_heads % tp_size:
         raise ValueError(f"num_attention_heads ({info.num_heads}) is not divisible by tensor_parallel_size "
                          f"({tp_size})")
-    if info.intermediate_size % tp_size:
-        raise ValueError(f"intermediate_size ({info.intermediate_size}) is not divisible by "
-                         f"tensor_parallel_size ({tp_size})")
-    if info.moe_intermediate_size % tp_size:
-        raise ValueError(f"moe_intermediate_size ({info.moe_intermediate_size}) is not divisible by "
-                         f"tensor_parallel_size ({tp_size})")
+    sizes = {"intermediate_size": info.intermediate_size, "moe_intermediate_size": info.moe_intermediate_size}
+    if expert_parallel and info.is_moe:  # only the dense MLPs (dense layers, shared experts) split features
+        if info.num_experts < tp_size:
+            raise ValueError(f"num_experts ({info.num_experts}) is smaller than tensor_parallel_size ({tp_size}): "
+                             "expert parallelism gives every rank at least one whole expert")
+        sizes = {"shared experts' intermediate size": info.shared_expert_intermediate_size}
+        if not all(info.moe_layers):
+            sizes["intermediate_size"] = info.intermediate_size
+    for what, size in sizes.items():
+        if size % tp_size:
+            raise ValueError(f"{what} ({size}) is not divisible by tensor_parallel_size ({tp_size})")
     kv = info.num_kv_heads
     if (kv >= tp_size and kv % tp_size) or (kv < tp_size and tp_size % kv):
         raise ValueError(f"num_key_value_heads ({kv}) and tensor_parallel_size ({tp_size}): one must divide "

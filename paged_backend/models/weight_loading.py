@@ -5,6 +5,8 @@
     mlp.gate_up_proj [2I, H]      -> gate_up_proj, split in halves (shards 0, 1): GLM and GLM-4 store gate|up
                                      fused (``fused_gate_up_checkpoint``; dense weights and biases only)
     mlp.experts.{e}.<proj>        -> mlp.experts.w13 | w2 (shards (proj, e); models/moe.py's layouts)
+    mlp.experts.{e}.<proj>.weight_scale_inv | weight_scale
+                                  -> mlp.experts.w13_weight_scale_inv | ... (fp8 experts' scales, same shards)
     block_sparse_moe.gate         -> mlp.gate (Mixtral's router)
     mlp.gate.e_score_correction_bias -> mlp.experts.e_score_correction_bias (GLM-4.5's routing bias)
     mlp.shared_experts.<proj>     -> as a dense MLP's (GLM-4.5)
@@ -26,7 +28,13 @@ import torch
 from torch import nn
 
 from paged_backend.models.model_info import ModelInfo
-from paged_backend.models.moe import FAMILY_EXPERT_LAYOUTS, MoEShardId, parse_expert_name
+from paged_backend.models.moe import (
+    EXPERT_SUFFIXES,
+    FAMILY_EXPERT_LAYOUTS,
+    MoEShardId,
+    checkpoint_expert_names,
+    parse_expert_name,
+)
 from paged_backend.models.parallel import LazyTensor, narrow
 
 # (fused parameter, HF checkpoint name, shard id)
@@ -46,12 +54,26 @@ _IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cach
 _LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
 _CORRECTION_BIAS = (".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias")
 _FUSED_GATE_UP = ".gate_up_proj."
+_EXPERT_SCALE = re.compile(rf"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)_({'|'.join(EXPERT_SUFFIXES[1:])})$")
+
+
+def expert_checkpoint_modules(info: ModelInfo, prefix: str) -> list[str]:
+    """The checkpoint module names (``model.layers.3.mlp.experts.0.gate_proj``, ...) of the routed experts
+    of the layer at ``prefix`` in the family's per-expert layout: what a quantization config matches."""
+    style = FAMILY_EXPERT_LAYOUTS[info.model_type][0]
+    return [name.removesuffix(".weight") for name, _, _ in checkpoint_expert_names(prefix, info.num_experts, style)]
 
 
 def checkpoint_names(param_name: str, info: ModelInfo) -> list[str]:
     """The HF tensor names that load ``param_name`` (several for a fused parameter)."""
     if info.fused_gate_up_checkpoint and _FUSED_GATE_UP in param_name:
         return [param_name]
+    scale = _EXPERT_SCALE.match(param_name) if info.is_moe else None
+    if scale:  # an fp8 expert scale: that tensor of every expert (per-expert layouts only)
+        prefix, base, suffix = scale.groups()
+        style = FAMILY_EXPERT_LAYOUTS[info.model_type][0]
+        return [n for n, p, _ in checkpoint_expert_names(prefix, info.num_experts, style, suffix)
+                if p == f"{base}_{suffix}"]
     names = [param_name.replace(fused, orig) for fused, orig, _ in STACKED_PARAMS if fused in param_name]
     if param_name.endswith(_CORRECTION_BIAS[1]):
         names = [param_name.replace(_CORRECTION_BIAS[1], _CORRECTION_BIAS[0])]

@@ -14,16 +14,16 @@ seeded random tensors in the checkpoint's format, then the same processing.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
-from paged_backend.models.linear_method import LinearMethod
+from paged_backend.models.linear_method import LinearMethod, MoEMethod
 from paged_backend.models.parallel import shard_for_rank
 
-__all__ = ["LinearMethod", "QuantizationConfig"]
+__all__ = ["LinearMethod", "MoEMethod", "QuantizationConfig"]
 
 
 class QuantizationConfig(ABC):
@@ -40,6 +40,30 @@ class QuantizationConfig(ABC):
     def get_linear_method(self, prefix: str, shard_names: Sequence[str]) -> LinearMethod | None:
         """The method for the linear ``prefix`` (our name) whose checkpoint names are ``shard_names``;
         None keeps it unquantized."""
+
+    def get_moe_method(self, prefix: str, expert_names: Sequence[str]) -> MoEMethod | None:
+        """The method for the routed experts ``prefix`` (a ``FusedMoE``) whose per-expert checkpoint
+        modules are ``expert_names`` (``model.layers.3.mlp.experts.0.gate_proj``, ...); None keeps
+        them unquantized. Default: the format has no quantized experts here (ValueError naming them)."""
+        raise ValueError(unsupported_experts(expert_names, f"{self.name} quantized experts are not supported "
+                                                           "(fp8 experts are: block-wise fp8, compressed-tensors "
+                                                           "fp8 with channel weight scales)"))
+
+
+def unsupported_experts(expert_names: Sequence[str], why: str) -> str:
+    """The load error of experts a method cannot serve: the first expert tensor named, and why."""
+    return f"routed experts {expert_names[0]} (and the layer's other {len(expert_names) - 1}): {why}"
+
+
+def experts_ignored(expert_names: Sequence[str], ignored: Callable[[str], bool]) -> bool:
+    """True when the config leaves every expert of the layer unquantized, False when none; ValueError
+    for a layer with some experts quantized and some not (one stacked tensor cannot mix them)."""
+    found = {ignored(n) for n in expert_names}
+    if len(found) > 1:
+        first = next(n for n in expert_names if ignored(n))
+        raise ValueError(f"routed experts: {first} is left unquantized but other experts of its layer are "
+                         "quantized (they are stacked into one tensor: all or none)")
+    return found == {True}
 
 
 def quant_param(

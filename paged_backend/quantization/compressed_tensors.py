@@ -14,7 +14,8 @@ Two schemes are served:
       W[n, k] = (q[n, k] - zp[n, g(k)]) * scale[n, g(k)]     (zp = 0 when symmetric)
 
 - FP8 ``float-quantized`` (e4m3 weights, tensor or channel scales, optional fp8 activations):
-  served by ``Fp8LinearMethod``.
+  served by ``Fp8LinearMethod``; routed experts with channel scales and dynamic per-token
+  activations (GLM-4.5-FP8's recipe) by ``Fp8MoEMethod``.
 """
 
 from __future__ import annotations
@@ -28,14 +29,18 @@ from torch import nn
 
 from paged_backend.kernels.int4_gemm_ref import unpack_int4
 from paged_backend.quantization.base import (
+    MoEMethod,
     QuantizationConfig,
+    experts_ignored,
     is_row_parallel,
     num_shards,
     quant_param,
     replace_param,
     tp_world_size,
+    unsupported_experts,
 )
 from paged_backend.quantization.fp8 import Fp8LinearMethod
+from paged_backend.quantization.fp8_moe import Fp8MoEMethod
 from paged_backend.quantization.int4 import (
     Int4LinearMethod,
     check_int4_config,
@@ -104,6 +109,25 @@ class CompressedTensorsConfig(QuantizationConfig):
             return Fp8LinearMethod(scheme["act_scheme"], prefix)
         return PackedInt4LinearMethod(scheme["group_size"], scheme["symmetric"], scheme["g_idx"], prefix)
 
+    def get_moe_method(self, prefix: str, expert_names: Sequence[str]) -> MoEMethod | None:
+        """FP8 experts with per-channel weight scales and dynamic per-token activations (GLM-4.5-FP8);
+        other schemes (int4, per-tensor fp8, static or no fp8 activations) are refused by name."""
+        if experts_ignored(expert_names, lambda name: self.scheme_for(name) is None):
+            return None
+        schemes = [self.scheme_for(n) for n in expert_names]
+        if any(s is not schemes[0] for s in schemes):
+            raise ValueError(unsupported_experts(expert_names, "the experts of one layer use different schemes"))
+        scheme = schemes[0]
+        if scheme["kind"] != "fp8":
+            raise ValueError(unsupported_experts(expert_names, f"compressed-tensors {scheme['kind']} experts are not "
+                                                              "supported (fp8 channel experts are)"))
+        if scheme["strategy"] != "channel" or scheme["act_scheme"] != "dynamic_token":
+            raise ValueError(unsupported_experts(
+                expert_names, f"compressed-tensors fp8 experts with {scheme['strategy']} weight scales and "
+                f"{scheme['act_scheme']} activations are not supported (channel weights with dynamic per-token "
+                "activations are)"))
+        return Fp8MoEMethod(None, prefix, expert_names)
+
 
 def _scheme(gname: str, group: dict[str, Any], fmt: str | None) -> dict[str, Any]:
     where = f"compressed-tensors config_groups.{gname}"
@@ -131,7 +155,7 @@ def _scheme(gname: str, group: dict[str, Any], fmt: str | None) -> dict[str, Any
             raise ValueError(f"{where}: format {fmt!r} is not supported for float weights ({', '.join(FLOAT_FORMATS)})")
         if w.get("num_bits") != 8 or strategy not in ("tensor", "channel"):
             raise ValueError(f"{where}: float weights need num_bits 8 and strategy tensor or channel")
-        return {"kind": "fp8", "act_scheme": _act_scheme(where, act)}
+        return {"kind": "fp8", "strategy": strategy, "act_scheme": _act_scheme(where, act)}
     raise ValueError(f"{where}: weight type {wtype!r} is not supported (int, float)")
 
 

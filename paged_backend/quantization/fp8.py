@@ -35,15 +35,19 @@ from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, FP8_MAX, fp8_scale_fr
 from paged_backend.models.parallel import as_tensor, shard_for_rank
 from paged_backend.quantization.base import (
     LinearMethod,
+    MoEMethod,
     QuantizationConfig,
     check_shard,
     copy_stacked,
+    experts_ignored,
     is_row_parallel,
     num_shards,
     quant_param,
     replace_param,
+    unsupported_experts,
 )
 from paged_backend.quantization.fp8_block import Fp8BlockLinearMethod
+from paged_backend.quantization.fp8_moe import Fp8MoEMethod
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +189,16 @@ class Fp8Config(QuantizationConfig):
         if self.block is not None:
             return Fp8BlockLinearMethod(self.block, prefix)
         return Fp8LinearMethod(self.act_scheme, prefix)
+
+    def get_moe_method(self, prefix: str, expert_names: Sequence[str]) -> MoEMethod | None:
+        """Block-wise fp8 experts (``weight_block_size``); per-tensor fp8 experts are refused."""
+        if experts_ignored(expert_names, lambda name: any(i in name for i in self.ignored)):
+            return None
+        if self.block is None:
+            raise ValueError(unsupported_experts(
+                expert_names, "fp8 experts with per-tensor weight_scale (quant_method fp8 without "
+                "weight_block_size) are not supported; block-wise fp8 experts are"))
+        return Fp8MoEMethod(self.block, prefix, expert_names)
 
 
 class Fp8LinearMethod(LinearMethod):

@@ -24,27 +24,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, FP8_MAX, fp8_scale_from_amax
+from paged_backend.kernels.fp8_quant_ref import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_fp8_groups_ref,
+    expand_block_scales,
+    fp8_scale_from_amax,
+    quantize_fp8_groups_ref,
+)
 from paged_backend.models.parallel import shard_for_rank
 from paged_backend.quantization.base import LinearMethod, check_shard, quant_param
 
 
 def fake_quant_fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
     """Dynamic e4m3 fake quantization with one scale per token and per ``group`` inputs (the last
-    group may be shorter), in x's dtype."""
-    k = x.shape[-1]
-    pad = -k % group
-    xf = F.pad(x.float(), (0, pad)) if pad else x.float()
-    xg = xf.reshape(*xf.shape[:-1], -1, group)
-    scale = fp8_scale_from_amax(xg.abs().amax(-1, keepdim=True))
-    q = (xg / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
-    out = (q.float() * scale).reshape(xf.shape)
-    return (out[..., :k] if pad else out).to(x.dtype)
-
-
-def expand_block_scales(scale: torch.Tensor, n: int, k: int, bn: int, bk: int) -> torch.Tensor:
-    """[ceil(N/bn), ceil(K/bk)] block scales -> [N, K] (one per weight element)."""
-    return scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    group may be shorter), in x's dtype (``kernels/fp8_quant_ref.py``'s quantize and dequantize)."""
+    return dequantize_fp8_groups_ref(*quantize_fp8_groups_ref(x, group), group).to(x.dtype)
 
 
 class Fp8BlockLinearMethod(LinearMethod):

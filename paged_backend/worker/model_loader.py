@@ -26,7 +26,9 @@ from paged_backend.models import ModelOps, get_model_class
 from paged_backend.models.layers import FusedLinear
 from paged_backend.models.llama import LlamaForCausalLM
 from paged_backend.models.model_info import ModelInfo
+from paged_backend.models.moe import FusedMoE
 from paged_backend.models.parallel import LazyTensor
+from paged_backend.models.weight_loading import expert_checkpoint_modules
 from paged_backend.quantization import QuantizationConfig, get_quantization_config
 
 if TYPE_CHECKING:
@@ -144,8 +146,11 @@ def init_dummy_weights(model: LlamaForCausalLM, seed: int = 0, std: float = 0.02
     quantized: set[int] = set()
     for i, module in enumerate(model.modules()):
         method = getattr(module, "linear_method", None) if isinstance(module, FusedLinear) else None
+        if isinstance(module, FusedMoE):
+            method = module.quant_method
         if method is not None:
-            owned = [p for n, p in module.named_parameters(recurse=False) if n != "bias"]
+            owned = [p for n, p in module.named_parameters(recurse=False)  # the experts': not the routing bias
+                     if n != "bias" and (not isinstance(module, FusedMoE) or hasattr(p, "moe_kind"))]
             quantized.update(id(p) for p in owned)
             gen = torch.Generator(device=owned[0].device).manual_seed(seed + 1_000_003 * (i + 1))
             method.init_dummy_weights(module, gen, std)
@@ -200,12 +205,21 @@ def load_model(
         for module in model.modules():
             if isinstance(module, FusedLinear) and module.linear_method is not None:
                 module.linear_method.process_weights_after_loading(module)
+            if isinstance(module, FusedMoE) and module.quant_method is not None:
+                module.quant_method.process_weights_after_loading(module)
     return model.eval()
 
 
 def set_linear_methods(model: LlamaForCausalLM, quant_config: QuantizationConfig) -> None:
-    """Gives each linear the method the config picks for it (a tied lm_head stays dense)."""
+    """Gives each linear the method the config picks for it (a tied lm_head stays dense), and each
+    layer's routed experts theirs (ValueError naming the experts when the config has none for them)."""
     for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            layer = name.removesuffix(".mlp.experts")
+            moe_method = quant_config.get_moe_method(name, expert_checkpoint_modules(model.info, layer))
+            if moe_method is not None:
+                module.set_quant_method(moe_method)
+            continue
         if not isinstance(module, FusedLinear) or (name == "lm_head" and model.info.tie_word_embeddings):
             continue
         shard_names = [n.removesuffix(".weight") for n in model.checkpoint_names(f"{name}.weight")]

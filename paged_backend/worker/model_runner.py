@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from paged_backend.attention import AttentionMetadata, get_attention_backend
+from paged_backend.attention.kv_cache_spec import KVCacheSpec
 from paged_backend.config import EngineConfig, resolve_limits
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.kernels.fp8_types import FP8_DTYPE
@@ -60,6 +61,9 @@ class ModelRunner:
         self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
         if config.fp8_kv:
             self._setup_kv_scales()
+        # every layer's cache layout (attention/kv_cache_spec.py): per-head K/V for every family today
+        self.kv_specs = [KVCacheSpec(self.block_size, self.kv_dtype, self.num_kv_heads, info.head_dim)
+                         for _ in range(info.num_layers)]
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.limits = resolve_limits(config, info.max_position_embeddings, device)
@@ -89,9 +93,8 @@ class ModelRunner:
 
     @property
     def bytes_per_block(self) -> int:
-        elem = torch.empty((), dtype=self.kv_dtype).element_size()
-        i = self.info
-        return 2 * self.block_size * self.num_kv_heads * i.head_dim * elem * i.num_layers
+        """One block id's bytes over every layer (the specs' sum)."""
+        return sum(spec.bytes_per_block for spec in self.kv_specs)
 
     def determine_num_blocks(self) -> int:
         """From the memory budget: explicit bytes, the GPU's free memory, or a share of RAM."""
@@ -130,8 +133,7 @@ class ModelRunner:
         """One prefill of num_tokens into a throwaway cache, to measure the activation peak."""
         bs, dev = self.block_size, self.device
         nblk = -(-num_tokens // bs)
-        caches = [torch.zeros((2, nblk + 1, bs, self.num_kv_heads, self.info.head_dim),
-                              dtype=self.kv_dtype, device=dev) for _ in range(self.info.num_layers)]
+        caches = [spec.allocate(nblk + 1, dev) for spec in self.kv_specs]
         pos = torch.arange(num_tokens, device=dev)
         meta = AttentionMetadata(
             slot_mapping=pos + bs,
@@ -154,9 +156,7 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The cache, then (on CUDA) the decode graphs that read it."""
         self.num_blocks = num_blocks
-        shape = (2, num_blocks, self.block_size, self.num_kv_heads, self.info.head_dim)
-        self.kv_caches = [torch.zeros(shape, dtype=self.kv_dtype, device=self.device)
-                          for _ in range(self.info.num_layers)]
+        self.kv_caches = [spec.allocate(num_blocks, self.device) for spec in self.kv_specs]
         if self.device.type == "cuda" and not self._profiled:
             self.warm_up_prefill()
         self.warm_up_attention()
@@ -195,8 +195,8 @@ class ModelRunner:
             return
         src = torch.tensor([p[0] for p in pairs], device=self.device)
         dst = torch.tensor([p[1] for p in pairs], device=self.device)
-        for cache in self.kv_caches:
-            cache[:, dst] = cache[:, src]
+        for spec, cache in zip(self.kv_specs, self.kv_caches, strict=True):
+            spec.copy_blocks(cache, src, dst)
 
     # -- one step ----------------------------------------------------------------------
 

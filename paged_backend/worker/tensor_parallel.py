@@ -126,7 +126,8 @@ class TensorParallelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, info: ModelInfo, device: torch.device,
                  dtype: torch.dtype) -> None:
         self.world_size = config.tensor_parallel_size
-        check_tp_compatible(info, self.world_size)
+        ep = config.enable_expert_parallel
+        check_tp_compatible(info, self.world_size, ep)
         self._procs: list[mp.Process] = []
         self._failure: WorkerDiedError | None = None
         self._closed = False
@@ -143,18 +144,19 @@ class TensorParallelRunner:
                 dev = _rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
                 if rank != 0:  # torchrun: this process is a worker; it leaves when rank 0 shuts down
                     atexit.unregister(self.shutdown)
-                    tp = init_tp_group(rank, self.world_size, dev)
+                    tp = init_tp_group(rank, self.world_size, dev, expert_parallel=ep)
                     run_worker(config, model_dir, info, dev, dtype, tp)
                     raise SystemExit(0)
-                self.tp = init_tp_group(0, self.world_size, dev)
+                self.tp = init_tp_group(0, self.world_size, dev, expert_parallel=ep)
             if dev.type == "cuda":
                 threading.Thread(target=self._watch_workers, name="paged-backend-tp-watch", daemon=True).start()
             self.local = ModelRunner(config, model_dir, info, dev, dtype, tp=self.tp)
         except BaseException:
             self.shutdown()
             raise
-        logger.info("tensor parallel: %d ranks (%s), %d q / %d KV heads per rank", self.world_size,
-                    self.tp.backend, info.num_heads // self.world_size, self.local.num_kv_heads)
+        logger.info("tensor parallel: %d ranks (%s), %d q / %d KV heads per rank%s", self.world_size,
+                    self.tp.backend, info.num_heads // self.world_size, self.local.num_kv_heads,
+                    ", whole routed experts per rank (expert parallel)" if ep and info.is_moe else "")
 
     # -- ModelRunnerProtocol -------------------------------------------------------------
 
@@ -309,7 +311,7 @@ class TensorParallelRunner:
             if time.monotonic() > deadline:
                 raise self._fail(TimeoutError(f"workers not up after {DEVICE_TIMEOUT_S:.0f}s"), [])
             time.sleep(0.05)
-        self.tp = init_tp_group(0, self.world_size, dev, store=store)
+        self.tp = init_tp_group(0, self.world_size, dev, store=store, expert_parallel=config.enable_expert_parallel)
 
 
 # -- ranks > 0 -------------------------------------------------------------------------------
@@ -357,6 +359,6 @@ def _worker_main(rank: int, world_size: int, port: int, parent_pid: int, config:
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                           timeout=timedelta(seconds=DEVICE_TIMEOUT_S))
     store.set(_READY_KEY.format(rank), "1")
-    tp = init_tp_group(rank, world_size, dev, store=store)
+    tp = init_tp_group(rank, world_size, dev, store=store, expert_parallel=config.enable_expert_parallel)
     run_worker(config, model_dir, info, dev, dtype, tp)
     destroy_tp_group()

@@ -3,13 +3,15 @@ hand-made example exactly, random routings by their invariants), the grouped GEM
 poisoned buffer, and ``fused_moe`` against a float64 loop over (token, slot) pairs (fp32 and
 bf16; K 1..3; experts without tokens and all tokens on one expert; router weights on the input
 or the output; the unsorted pairs path and the sorted path; shapes that are no multiple of the
-tiles); the config choice and the tuning-table hook; the launcher's argument errors; and
+tiles); expert parallelism (``expert_map``: pairs of experts held elsewhere get no slot and add
+nothing); the config choice and the tuning-table hook; the launcher's argument errors; and
 ``fused_moe_ref`` when it exists."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -139,6 +141,17 @@ def test_align_invariants_on_random_routings(m, k, e, block_m, seed):
         assert int((expert_ids == ex).sum()) == -(-int(counts[ex]) // block_m)
 
 
+def test_align_gives_no_slot_to_pairs_of_experts_held_elsewhere():
+    # pairs p = 2m + k, local experts [1, -1, 0, 1, -1, -1]: pairs 1, 4, 5 belong to another rank
+    ids = torch.tensor([[1, -1], [0, 1], [-1, -1]], dtype=torch.int32)
+    s = 6
+    sorted_ids, expert_ids, ntpp = moe_align_block_size(ids, 4, 2)
+    assert int(ntpp) == 8
+    assert _runs_sorted(sorted_ids, ntpp, 4)[:8].tolist() == [2, s, s, s, 0, 3, s, s]
+    assert expert_ids.tolist()[:2] == [0, 1] and (expert_ids[2:] == -1).all()
+    assert (sorted_ids[8:] == s).all()
+
+
 # -- the grouped GEMM ------------------------------------------------------------------------------
 
 
@@ -208,6 +221,38 @@ def test_default_config_paths_agree():
         torch.testing.assert_close(got, other, rtol=1e-5, atol=1e-5)
 
 
+def _rank_maps(e: int, ranks: int) -> list[tuple[int, int, torch.Tensor]]:
+    """(first expert, count, expert_map) of each rank: contiguous blocks, the remainder on the first."""
+    base, extra = divmod(e, ranks)
+    out, start = [], 0
+    for r in range(ranks):
+        count = base + (r < extra)
+        mapping = torch.full((e,), -1, dtype=torch.int32)
+        mapping[start:start + count] = torch.arange(count, dtype=torch.int32)
+        out.append((start, count, mapping))
+        start += count
+    return out
+
+
+@pytest.mark.parametrize("config", [PAIRS, SORTED])
+@pytest.mark.parametrize("m,e,k,ranks,on_input", [(3, 8, 2, 2, False), (2, 8, 1, 2, True), (20, 8, 2, 3, False),
+                                                  (9, 6, 3, 4, True)])
+def test_expert_map_computes_only_the_local_experts(config, m, e, k, ranks, on_input):
+    """Each rank, holding a block of whole experts, gives the loop over its own pairs only (the rest
+    zero, in poisoned buffers); the ranks' outputs sum to the whole layer's."""
+    x, w13, w2, tw, tid = _inputs(m, e, k, torch.float32, seed=m + ranks)
+    total = torch.zeros(m, x.shape[1], dtype=torch.float64)
+    for start, count, mapping in _rank_maps(e, ranks):
+        local = (tid >= start) & (tid < start + count)
+        got = fused_moe(x, w13[start:start + count], w2[start:start + count], tw, tid, config=config,
+                        apply_router_weight_on_input=on_input, expert_map=mapping)
+        want = _moe_loop(x, w13, w2, tw * local, tid, on_input)  # other ranks' pairs weigh 0
+        assert not got.isnan().any()
+        assert _rel_err(got, want) < 1e-5 or ((want == 0).all() and (got == 0).all())  # a rank without pairs
+        total += got.double()
+    assert _rel_err(total, _moe_loop(x, w13, w2, tw, tid, on_input)) < 1e-5
+
+
 def test_no_tokens():
     x, w13, w2, tw, tid = _inputs(0, 4, 2, torch.float32, 0)
     assert fused_moe(x, w13, w2, tw, tid).shape == (0, 64)
@@ -257,7 +302,8 @@ def test_shipped_tuning_tables_parse_and_cover_decode_and_prefill():
     files = sorted(p for p in os.listdir(CONFIG_DIR) if p.endswith(".json"))
     for name in files:
         table = load_config_table(os.path.join(CONFIG_DIR, name))
-        fields = dict(kv.split("=", 1) for kv in name.removesuffix(".json").split(","))
+        # key=value pairs split at commas outside brackets (fp8 tables: ...,block_shape=[128,128].json)
+        fields = dict(re.findall(r"(\w+)=(\[[^\]]*\]|[^,]+)", name.removesuffix(".json")))
         assert int(fields["E"]) > 0 and int(fields["N"]) > 0 and fields["device_name"], name
         assert min(table) == 1 and max(table) >= 1024, name
 
@@ -311,6 +357,9 @@ def _args(**over):
     (dict(topk_ids=torch.tensor([[0, -1], [1, 2], [3, 0]])), ValueError, r"\[0, 4\).*from -1"),
     (dict(topk_ids=torch.zeros(2, 3, dtype=torch.int32).T), ValueError, "topk_ids must be contiguous"),
     (dict(w2=torch.zeros(4, 32, 64).transpose(1, 2)), ValueError, "w2 must be contiguous in its last dim"),
+    (dict(expert_map=torch.tensor([0, 1, -1, 4], dtype=torch.int32)), ValueError, r"expert_map values.*\[-1, 4\)"),
+    (dict(expert_map=torch.tensor([0, -1, 1])), ValueError, r"\[0, 3\) \(expert_map's length\)"),
+    (dict(expert_map=torch.tensor([0.0, 1, 2, 3])), TypeError, "expert_map must have dtype"),
 ])
 def test_launcher_errors(over, exc, match):
     with pytest.raises(exc, match=match):

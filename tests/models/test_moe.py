@@ -1,6 +1,7 @@
 """Mixture-of-experts building blocks against naive math and transformers' own MoE modules:
 ``fused_moe_ref`` (the CPU MoE op), ``select_experts`` / ``RoutingConfig`` (routing of Qwen3-MoE,
-Mixtral, GLM-4.5, DeepSeek-V2/V3), and ``FusedMoE`` loaded from transformers-saved checkpoints."""
+Mixtral, GLM-4.5, DeepSeek-V2/V3), and ``FusedMoE`` loaded from transformers-saved checkpoints, whole
+or split over ranks (features under tensor parallelism, whole experts under expert parallelism)."""
 
 from __future__ import annotations
 
@@ -28,10 +29,11 @@ from paged_backend.models.moe import (
     FAMILY_EXPERT_LAYOUTS,
     FusedMoE,
     checkpoint_expert_names,
+    make_expert_map,
     parse_expert_name,
 )
 from paged_backend.models.moe_routing import RoutingConfig, select_experts
-from paged_backend.models.parallel import LazyTensor
+from paged_backend.models.parallel import LazyTensor, expert_range
 from paged_backend.worker.model_loader import materialize
 
 H, INTER = 64, 32
@@ -98,6 +100,27 @@ def test_fused_moe_ref_rejects_bad_ids_and_shapes() -> None:
         fused_moe_ref(x, w13, w2, weights, ids + 8)
     with pytest.raises(ValueError, match="do not match"):
         fused_moe_ref(x, w13, w2[:, :, :-1], weights, ids)
+
+
+@pytest.mark.parametrize("on_input", [False, True])
+def test_fused_moe_ref_expert_map_computes_only_the_local_experts(on_input: bool) -> None:
+    """With an expert_map, one rank's block of whole experts gives the naive loop with every other
+    expert's weight 0, and the ranks' outputs sum to the whole layer's; a map pointing past the
+    local experts raises ValueError."""
+    gen = torch.Generator().manual_seed(3)
+    x, w13, w2, weights, ids = _moe_inputs(13, 8, 2, gen, used=8)
+    total = torch.zeros_like(x)
+    for start, count in ((0, 3), (3, 3), (6, 2)):
+        got = fused_moe_ref(x, w13[start:start + count], w2[start:start + count], weights, ids,
+                            apply_router_weight_on_input=on_input, expert_map=make_expert_map(8, start, count))
+        local = (ids >= start) & (ids < start + count)
+        torch.testing.assert_close(got.double(), _naive_moe(x, w13, w2, weights * local, ids, on_input),
+                                   atol=1e-5, rtol=1e-5)
+        total += got
+    whole = fused_moe_ref(x, w13, w2, weights, ids, apply_router_weight_on_input=on_input)
+    torch.testing.assert_close(total, whole, atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"expert_map values must lie in \[-1, 3\)"):
+        fused_moe_ref(x, w13[:3], w2[:3], weights, ids, expert_map=make_expert_map(8, 0, 4))
 
 
 # -- select_experts against transformers' routers -----------------------------------------------
@@ -223,6 +246,7 @@ def _load_fused_moe(model_type: str, path: Path, config, tp: TPGroup | None = No
     with torch.device("meta"):
         moe = FusedMoE(routing, H, inter, torch.float32, tp=tp)
     materialize(moe, torch.device("cpu"))
+    moe.init_buffers()
     router, loaded = None, set()
     with safe_open(str(next(path.glob("*.safetensors"))), "pt") as f:
         for name in f.keys():
@@ -298,6 +322,92 @@ def test_tp_refuses_an_indivisible_intermediate_size() -> None:
     routing = RoutingConfig(num_experts=8, num_experts_per_tok=2)
     with pytest.raises(ValueError, match="moe_intermediate_size"):
         FusedMoE(routing, H, 30, torch.float32, tp=_FakeTP(0, 4, torch.device("cpu")))
+
+
+# -- expert parallelism (placement and loading only, no processes) --------------------------------
+
+CPU = torch.device("cpu")
+
+
+def test_expert_placement_is_contiguous_blocks_with_the_remainder_first() -> None:
+    """Rank r holds experts [start, start + count): E // N each, one more on the first E % N ranks;
+    expert_map sends the global ids of its experts to 0..count-1 and every other id to -1."""
+    def ranges(e: int, n: int) -> list[tuple[int, int]]:
+        return [expert_range(e, _FakeTP(r, n, CPU, expert_parallel=True)) for r in range(n)]
+
+    assert ranges(8, 2) == [(0, 4), (4, 4)]
+    assert ranges(8, 4) == [(0, 2), (2, 2), (4, 2), (6, 2)]
+    assert ranges(8, 3) == [(0, 3), (3, 3), (6, 2)]
+    assert ranges(10, 4) == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    assert expert_range(8, None) == (0, 8)
+    assert make_expert_map(8, 4, 4).tolist() == [-1, -1, -1, -1, 0, 1, 2, 3]
+    assert make_expert_map(10, 3, 3).tolist() == [-1, -1, -1, 0, 1, 2, -1, -1, -1, -1]
+    assert make_expert_map(8, 0, 4).dtype == torch.int32
+    routing = RoutingConfig(num_experts=10, num_experts_per_tok=2)
+    with torch.device("meta"):  # as the model loader builds it: the map is filled after materialize
+        moe = FusedMoE(routing, H, INTER, torch.float32, tp=_FakeTP(1, 4, CPU, expert_parallel=True))
+    materialize(moe, CPU)
+    moe.init_buffers()
+    assert (moe.expert_start, moe.num_local_experts) == (3, 3)
+    assert moe.expert_map.tolist() == [-1, -1, -1, 0, 1, 2, -1, -1, -1, -1]
+    assert moe.w13.shape == (3, 2 * INTER, H) and moe.w2.shape == (3, H, INTER)
+    assert FusedMoE(routing, H, INTER, torch.float32, tp=_FakeTP(1, 4, CPU)).expert_map is None  # plain TP
+
+
+@pytest.mark.parametrize("ranks", [2, 3])
+@pytest.mark.parametrize("original_format", [True, False], ids=["per_expert", "stacked"])
+def test_ep_ranks_hold_their_experts_whole_and_sum_to_the_layer(ranks: int, original_format: bool,
+                                                                tmp_path: Path) -> None:
+    """Under expert parallelism rank r holds only its block of experts, every feature of each (w13
+    [E_r, 2I, H], w2 [E_r, H, I]: those rows of the tp=None stacks; 8 experts over 2 ranks: 4 + 4,
+    over 3: 3 + 3 + 2); the ranks' partial outputs sum to the whole layer's."""
+    config, _ = _save_tiny("qwen3_moe", tmp_path, original_format)
+    full, router = _load_fused_moe("qwen3_moe", tmp_path, config)
+    x = torch.randn(11, H, generator=torch.Generator().manual_seed(2))
+    logits = F.linear(x, router)
+    total, start = torch.zeros_like(x), 0
+    for r in range(ranks):
+        moe = _load_fused_moe("qwen3_moe", tmp_path, config, _FakeTP(r, ranks, CPU, expert_parallel=True))[0]
+        count = 8 // ranks + (r < 8 % ranks)
+        assert moe.w13.shape == (count, 2 * INTER, H) and moe.w2.shape == (count, H, INTER)
+        assert torch.equal(moe.w13, full.w13[start:start + count]) and torch.equal(moe.w2, full.w2[start:start + count])
+        total += moe(x, logits)
+        start += count
+    assert start == 8
+    torch.testing.assert_close(total, full(x, logits), atol=1e-5, rtol=1e-5)
+
+
+class _Unreadable:
+    """A safetensors slice whose shape is known but whose every read fails."""
+
+    def __init__(self, *shape: int) -> None:
+        self.shape = shape
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def __getitem__(self, index):
+        raise AssertionError("an expert of another rank was read")
+
+
+def test_ep_loader_reads_nothing_of_another_ranks_experts_but_checks_their_shapes() -> None:
+    """Rank 0 of 2 skips experts 4..7 without reading them; a bad shape there, or a stack over the
+    wrong number of experts, still raises ValueError."""
+    moe = FusedMoE(RoutingConfig(num_experts=8, num_experts_per_tok=2), H, INTER, torch.float32,
+                   tp=_FakeTP(0, 2, CPU, expert_parallel=True))
+    moe.w13.weight_loader(moe.w13, LazyTensor(_Unreadable(INTER, H)), ("gate", 5))
+    moe.w13.weight_loader(moe.w13, LazyTensor(_Unreadable(INTER, H)), ("up", 4))
+    moe.w2.weight_loader(moe.w2, LazyTensor(_Unreadable(H, INTER)), ("down", 7))
+    with pytest.raises(ValueError, match=r"shape mismatch.*\('down', 7\) expects \(64, 32\)"):
+        moe.w2.weight_loader(moe.w2, LazyTensor(_Unreadable(H + 1, INTER)), ("down", 7))
+    with pytest.raises(ValueError, match="shape mismatch"):
+        moe.w13.weight_loader(moe.w13, LazyTensor(_Unreadable(INTER + 1, H)), ("gate", 6))
+    with pytest.raises(ValueError, match="expects 8 experts in dim 0"):
+        moe.w13.weight_loader(moe.w13, torch.zeros(9, 2 * INTER, H), ("gate_up", None))
+    with pytest.raises(ValueError, match="expects 8 experts in dim 0"):
+        moe.w2.weight_loader(moe.w2, torch.zeros(7, H, INTER), ("down", None))
+    moe.w13.weight_loader(moe.w13, torch.ones(INTER, H), ("gate", 3))  # its own expert: written
+    assert (moe.w13[3, :INTER] == 1).all()
 
 
 # -- bad checkpoint tensors ----------------------------------------------------------------------

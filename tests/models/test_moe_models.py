@@ -1,9 +1,11 @@
 """Mixture-of-experts families end to end: tiny random Qwen3-MoE, Mixtral and GLM-4.5 MoE checkpoints
 saved by transformers itself; the engine's greedy tokens equal transformers' ``generate`` in fp32, whatever
-the batching, chunking, prefix caching or preemption; bad checkpoints fail at load naming the tensor."""
+the batching, chunking, prefix caching, preemption, tensor or expert parallelism; bad checkpoints fail at
+load naming the tensor."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -17,12 +19,18 @@ from family_fixtures import (
     check_tensor_parallel_2,
     hf_greedy,
     rewrite_checkpoint,
+    scale_routers,
     tiny_llm,
 )
 from model_fixtures import make_tiny_checkpoint
 from safetensors.torch import load_file, save_file
 
+from paged_backend.attention.torch_attn import TorchAttentionBackend
+from paged_backend.distributed import TPGroup
 from paged_backend.models.model_info import ModelInfo
+from paged_backend.models.moe import FusedMoE
+from paged_backend.models.parallel import check_tp_compatible
+from paged_backend.worker.model_loader import load_model
 
 pytestmark = pytest.mark.slow
 
@@ -42,19 +50,6 @@ FAMILIES = {
 ROUTED = {"qwen3_moe": (False, True, True), "mixtral": (True, True), "glm4_moe": (False, True)}
 
 
-def _scale_routers(path: Path, factor: float = 8.0) -> None:
-    """Routers' weights scaled up, so no routing decision of the test prompts is a near-tie; a random
-    routing-correction bias where the router has one (saved as zeros)."""
-    tensors = load_file(path / "model.safetensors")
-    gen = torch.Generator().manual_seed(1)
-    for name, t in tensors.items():
-        if name.endswith(".gate.weight"):
-            tensors[name] = t * factor
-        if name.endswith(".gate.e_score_correction_bias"):
-            tensors[name] = 0.5 * torch.randn(t.shape, generator=gen)
-    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-
-
 def _add_mtp_layer(path: Path) -> None:
     """A multi-token-prediction layer's tensors after the decoder layers, as GLM-4.5 checkpoints store
     them (transformers' save_pretrained writes none); the engine skips them."""
@@ -70,7 +65,7 @@ def _add_mtp_layer(path: Path) -> None:
 def family(request, tmp_path_factory) -> tuple[Path, list[list[int]]]:
     arch, overrides = FAMILIES[request.param]
     path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
-    _scale_routers(path)
+    scale_routers(path)
     expected = hf_greedy(path)
     if overrides.get("num_nextn_predict_layers"):
         _add_mtp_layer(path)
@@ -137,6 +132,65 @@ def test_tensor_parallel_2_equals_1(family) -> None:
     """Split over 2 ranks (each holds half of every expert's intermediate features, gloo on the CPU),
     the greedy tokens are those of one rank and of transformers."""
     check_tensor_parallel_2(*family)
+
+
+def _experts(model) -> list[FusedMoE]:
+    return [m for m in model.modules() if isinstance(m, FusedMoE)]
+
+
+def test_expert_parallel_2_equals_1(family) -> None:
+    """Whole experts per rank (4 of the 8 each, gloo on the CPU): the greedy tokens are those of one
+    rank and of transformers, and rank 0 holds experts 0..3 only; at tensor_parallel_size 1 the flag
+    changes nothing."""
+    path, expected = family
+    check_greedy_equals_transformers(path, expected, enable_expert_parallel=True)
+    llm = check_tensor_parallel_2(path, expected, enable_expert_parallel=True)
+    experts = _experts(llm.engine.runner.local.model)
+    assert experts and all(e.expert_parallel and e.w13.shape[0] == e.w2.shape[0] == 4 for e in experts)
+    assert all(e.expert_map.tolist() == [0, 1, 2, 3, -1, -1, -1, -1] for e in experts)
+
+
+def test_expert_parallel_ranks_load_only_their_experts_and_name_bad_tensors(family, tmp_path) -> None:
+    """Each of 2 ranks (built without processes: loading runs no collective) holds 4 whole experts of
+    every routed layer; a checkpoint missing an expert of the other rank still fails on rank 0 (naming
+    the expert parameter), and one misshaping it names the tensor."""
+    path, _ = family
+    info = ModelInfo.from_dir(path)
+
+    def load(src, rank: int = 0):
+        tp = TPGroup(rank, 2, torch.device("cpu"), expert_parallel=True)
+        return load_model(src, info, torch.float32, "cpu", TorchAttentionBackend(), tp=tp)
+
+    for rank in (0, 1):
+        experts = _experts(load(path, rank))
+        assert len(experts) == sum(info.moe_layers)
+        for e in experts:
+            assert e.w13.shape == (4, 2 * info.moe_intermediate_size, info.hidden_size)
+            assert e.w2.shape == (4, info.hidden_size, info.moe_intermediate_size)
+            assert e.expert_start == 4 * rank
+    names = load_file(path / "model.safetensors")
+    name = next(n for n in names if ".experts.6." in n)  # rank 1's
+    missing = rewrite_checkpoint(path, tmp_path / "missing", lambda t: {k: v for k, v in t.items() if k != name})
+    with pytest.raises(ValueError, match=r"missing tensor.*\.mlp\.experts\.w(13|2)\b"):
+        load(missing)
+    bad = rewrite_checkpoint(path, tmp_path / "shape", lambda t: {**t, name: t[name][:-1]})
+    with pytest.raises(ValueError, match=rf"{name}.*shape mismatch"):
+        load(bad)
+
+
+@pytest.mark.parametrize("family", ["glm4_moe"], indirect=True)
+def test_expert_parallel_sizes_are_checked_before_any_process(family) -> None:
+    """With whole experts per rank the expert size need not divide by the ranks, the expert count must
+    cover them; the dense layers and shared experts still split their features."""
+    info = ModelInfo.from_dir(family[0])
+    odd = dataclasses.replace(info, moe_intermediate_size=30, shared_expert_intermediate_size=30)
+    with pytest.raises(ValueError, match=r"moe_intermediate_size \(30\) is not divisible"):
+        check_tp_compatible(odd, 4)
+    with pytest.raises(ValueError, match=r"shared experts' intermediate size \(30\) is not divisible"):
+        check_tp_compatible(odd, 4, expert_parallel=True)
+    check_tp_compatible(dataclasses.replace(odd, shared_expert_intermediate_size=32), 4, expert_parallel=True)
+    with pytest.raises(ValueError, match=r"num_experts \(2\) is smaller than tensor_parallel_size \(4\)"):
+        check_tp_compatible(dataclasses.replace(info, num_experts=2), 4, expert_parallel=True)
 
 
 @pytest.mark.cuda

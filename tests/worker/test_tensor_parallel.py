@@ -30,6 +30,7 @@ from paged_backend.models.parallel import (
     local_heads,
     shard_for_rank,
 )
+from paged_backend.worker.model_loader import load_model
 from paged_backend.worker.tensor_parallel import WorkerDiedError
 
 MAX_NEW = 12
@@ -135,6 +136,23 @@ def test_incompatible_sizes_are_refused_before_any_process(divisible, tokenizer_
     with pytest.raises(ValueError, match=r"num_attention_heads \(4\) is not divisible by tensor_parallel_size \(3\)"):
         LLM(**_engine_args(divisible, tokenizer_dir, tensor_parallel_size=3))
     assert multiprocessing.active_children() == before
+
+
+def test_expert_parallel_is_a_no_op_on_a_dense_model(divisible):
+    """enable_expert_parallel on a model without experts: the same checks and the same parameters."""
+    from paged_backend.attention.torch_attn import TorchAttentionBackend
+
+    info = ModelInfo.from_dir(divisible)
+    check_tp_compatible(info, 2, expert_parallel=True)
+    with pytest.raises(ValueError, match="num_attention_heads"):
+        check_tp_compatible(info, 3, expert_parallel=True)
+
+    def shapes(ep: bool) -> dict[str, torch.Size]:
+        tp = TPGroup(1, 2, torch.device("cpu"), expert_parallel=ep)  # loading runs no collective
+        model = load_model(divisible, info, torch.float32, "cpu", TorchAttentionBackend(), tp=tp)
+        return {n: p.shape for n, p in model.named_parameters()}
+
+    assert shapes(True) == shapes(False)
 
 
 def test_lazy_slice_reads_the_same_as_the_tensor(tmp_path):
@@ -360,7 +378,7 @@ def test_interpreter_exit_leaves_no_worker(divisible, tokenizer_dir, tmp_path):
 # -- adapters and CLI pass the size through ------------------------------------------------------
 
 
-def test_cli_bentoml_and_triton_pass_tensor_parallel_size():
+def test_cli_bentoml_and_triton_pass_tensor_parallel_size_and_expert_parallel():
     from paged_backend.adapters.bentoml_service import ServeArgs, service_config
     from paged_backend.adapters.triton_protocol import engine_config_from_model_json
 
@@ -372,3 +390,7 @@ def test_cli_bentoml_and_triton_pass_tensor_parallel_size():
     assert service_config(ServeArgs(device="cpu", tensor_parallel_size=4))["resources"] == {}
     config, _ = engine_config_from_model_json({"model": "m", "tensor_parallel_size": 2})
     assert config.tensor_parallel_size == 2
+    args = build_parser().parse_args(["generate", "hi", "--tensor-parallel-size", "2", "--enable-expert-parallel"])
+    assert engine_config_from_args(args).enable_expert_parallel
+    assert not engine_config_from_args(build_parser().parse_args(["generate", "hi"])).enable_expert_parallel
+    assert EngineConfig(enable_expert_parallel=True).tensor_parallel_size == 1  # allowed: a no-op there
