@@ -300,22 +300,18 @@ class PeerBench(Bench):
         torch = self.torch
         from vllm.model_executor.layers.fused_moe import fused_experts
 
+        from paged_backend.benchmarks.moe_tune import moe_weights, routing_sets
         from paged_backend.kernels.fused_moe import fused_moe, table_for
         from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 
-        gen = torch.Generator(device=self.dev).manual_seed(e * n)
-        w13 = (torch.randn(e, 2 * n, h, device=self.dev, generator=gen) * h**-0.5).to(torch.bfloat16)
-        w2 = (torch.randn(e, h, n, device=self.dev, generator=gen) * n**-0.5).to(torch.bfloat16)
+        w13, w2, _ = moe_weights(e, n, h, torch.bfloat16, e * n)
         expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
         print(f"  moe E {e} N {n} H {h} top-{k}: ours {'tuned' if table_for(w13, e, n) else 'untuned'}", flush=True)
         for m in parse_ints(self.args.moe_m):
             # rotating routings: each copy touches other experts, so a replay cannot run from L2
-            sets = []
-            for _ in range(copies_to_touch(min(m * k, e) * expert_bytes, GIB, 8, 2)):
-                x = torch.randn(m, h, device=self.dev, generator=gen).to(torch.bfloat16)
-                weights, ids = torch.topk(torch.randn(m, e, device=self.dev, generator=gen).softmax(-1), k, dim=-1)
-                weights = (weights / weights.sum(-1, keepdim=True)).float().contiguous()
-                sets.append((x, weights, ids.contiguous(), ids.to(torch.int32).contiguous()))
+            copies = copies_to_touch(min(m * k, e) * expert_bytes, GIB, 8, 2)
+            sets = [(x, tw, ids, ids.to(torch.int32).contiguous())  # vLLM's router gives int32 ids
+                    for x, tw, ids in routing_sets(m, e, k, h, torch.bfloat16, e * n, copies)]
             x, tw, ids, ids32 = sets[0]
             cell = f"moe E={e} N={n} k={k} M={m}"
             ref = fused_moe_ref(x, w13, w2, tw, ids)

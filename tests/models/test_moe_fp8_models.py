@@ -74,7 +74,7 @@ FAMILIES = {
 CASES = [("qwen3_moe", "block"), ("qwen3_moe", "channel"), ("glm4_moe", "channel"), ("glm4_moe", "block"),
          ("mixtral", "block")]
 BK = 128
-FLIP_MARGIN = 0.5  # logits; over 6 seeds x 4 cases x 3 schedules the divergences measured at most 0.39
+FLIP_MARGIN = 0.1  # logits; the fixed checkpoints here diverge twice in 30 runs, by 0.016 and 0.029
 
 
 class FollowsTransformers(list):
