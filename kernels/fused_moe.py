@@ -5,7 +5,7 @@ Contract (as ``fused_moe_ref``)::
     fused_moe(x [M, H], w13 [E, 2I, H], w2 [E, H, I], topk_weights [M, K] float32,
               topk_ids [M, K] int32/int64, *, config=None, apply_router_weight_on_input=False,
               expert_map=None, w13_scale=None, w2_scale=None, block_shape=None,
-              intermediate_amax=None) -> out [M, H] in x.dtype
+              intermediate_amax=None, w13_zeros=None, w2_zeros=None, group_size=None) -> out [M, H] in x.dtype
 
 Rows 0..I-1 of ``w13[e]`` are the gate projection, rows I..2I-1 the up projection. For every
 (token m, slot k) pair with expert e = topk_ids[m, k] and weight w = topk_weights[m, k]::
@@ -22,8 +22,8 @@ FP8 experts (w13 / w2 float8_e4m3fn with float32 ``w13_scale`` / ``w2_scale``; t
 math are ``fused_moe_ref``'s): x and the SiLU-and-mul intermediate are quantized to e4m3 on the
 device (``quantize_moe_activations``: ``kernels/fp8_quant.py``, per token, and per group of bk
 inputs with ``block_shape`` (bn, bk)) and both GEMMs multiply e4m3 tiles (``tl.dot`` on e4m3: the
-FP8 tensor cores from compute capability 8.9; fp16 operands below, exact for e4m3; fp32 in the
-interpreter), accumulating in fp32:
+FP8 tensor cores from compute capability 8.9, whose running sums keep ~14 bits; fp16 operands below
+and for fp32 activations, exact for e4m3; fp32 in the interpreter), accumulating in fp32:
 
     block-wise   BLOCK_K = bk, one scale group per k-step:
                  acc += dot(a_q, w_q) * a_scale[row, k-group] * w_scale[e, n // bn, k-group]
@@ -33,6 +33,15 @@ Tuned tables for fp8 experts carry vLLM's selector (``dtype=fp8_w8a8``, block-wi
 ``block_shape=[bn,bk]``); ``pick_config`` forces BLOCK_K = bk for block scales (any BLOCK_N: the
 weight-scale column of each output feature is loaded, ``n // bn``). ``intermediate_amax``: per-token
 scales of an intermediate split over tensor-parallel ranks (``fused_moe_ref``).
+
+int4 experts (W4A16, int32 w13 [E, 2I, H/8] / w2 [E, H, I/8] in ``int4_gemm_ref``'s kernel layout
+with ``w13_scale`` / ``w2_scale`` [E, G, N] and uint8 ``w13_zeros`` / ``w2_zeros``, ``group_size``;
+``fused_moe_ref``'s contract): each k-step loads the [BLOCK_N, BLOCK_K/8] words of its tile (every
+output feature's words contiguous along K) and the group's scale and zero rows (BLOCK_K divides the
+group: ``pick_config(int4_group=...)``), turns the nibbles into the exact q - z (``int4_gemm``'s
+``dequant_tile_pairs`` on the GPU for 16-bit activations, two values per instruction; ``dequant_tile``
+elsewhere) and adds ``dot(a, q - z) * scale`` to the fp32 accumulator, so W is never rounded. Tables
+carry vLLM's ``dtype=int4_w4a16`` selector.
 
 ``expert_map`` (expert parallelism, as ``fused_moe_ref``): int32/int64 [E_global], global expert id
 -> index in w13 / w2, or -1 for an expert held elsewhere. The ids are mapped once (a gather on the
@@ -112,7 +121,13 @@ from paged_backend.kernels._launch import (
 from paged_backend.kernels.activation import silu_and_mul
 from paged_backend.kernels.fp8_quant import quantize_fp8, quantize_fp8_groups
 from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, fp8_scale_from_amax
-from paged_backend.kernels.fused_moe_ref import check_expert_map, check_fp8_moe_scales, padded_capacity
+from paged_backend.kernels.fused_moe_ref import (
+    check_expert_map,
+    check_fp8_moe_scales,
+    check_int4_moe_args,
+    padded_capacity,
+)
+from paged_backend.kernels.int4_gemm import EXPONENT_BITS, dequant_tile, dequant_tile_pairs
 
 PAIRS_MAX = 16  # pick_config: the unsorted pairs path for up to this many (token, slot) pairs (and <= E)
 _ID_DTYPES = (torch.int32, torch.int64)
@@ -170,6 +185,7 @@ def config_file_name(num_experts: int, intermediate: int, device_name: str, dtyp
 
 
 FP8_SELECTOR = "fp8_w8a8"  # vLLM's dtype selector of fp8 weights with fp8 activations
+INT4_SELECTOR = "int4_w4a16"  # ... and of int4 weights with 16-bit activations
 
 
 CONFIG_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fused_moe_configs")
@@ -200,13 +216,15 @@ def _device_name(index: int) -> str:
 
 
 def table_for(x: torch.Tensor, num_experts: int, intermediate: int, fp8: bool = False,
-              block_shape: tuple[int, int] | None = None) -> dict[int, MoEConfig] | None:
+              block_shape: tuple[int, int] | None = None, int4: bool = False) -> dict[int, MoEConfig] | None:
     """The tuned table ``fused_moe`` uses for activations ``x`` (CUDA bf16/fp16 only), if any; ``fp8``:
-    e4m3 experts (``block_shape``: block-wise scales), whose tables carry vLLM's fp8 selector."""
+    e4m3 experts (``block_shape``: block-wise scales), whose tables carry vLLM's fp8 selector; ``int4``:
+    int4 experts (vLLM's int4_w4a16 selector)."""
     if not x.is_cuda or x.dtype not in (torch.bfloat16, torch.float16) or interpreting():
         return None
+    selector = FP8_SELECTOR if fp8 else INT4_SELECTOR if int4 else None
     return tuned_table(num_experts, intermediate, _device_name(x.device.index or 0),
-                       FP8_SELECTOR if fp8 else None, tuple(block_shape) if fp8 and block_shape else None)
+                       selector, tuple(block_shape) if fp8 and block_shape else None)
 
 
 @functools.cache
@@ -214,11 +232,17 @@ def _fp8_mma(index: int) -> bool:
     return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
-def fp8_dot_dtype(device: torch.device):  # -> triton.language.dtype
+def fp8_dot_dtype(device: torch.device, exact: bool = False):  # -> triton.language.dtype
     """Operand type of ``tl.dot`` for e4m3 tiles: e4m3 itself (FP8 tensor cores) from compute
-    capability 8.9, fp16 below (exact for every e4m3 value), float32 in the interpreter."""
+    capability 8.9, fp16 below (exact for every e4m3 value), float32 in the interpreter.
+
+    ``exact`` (fp32 activations, the checking mode): fp16 operands on every GPU, whose products and fp32
+    accumulation are exact to fp32 rounding; Hopper's FP8 MMAs keep only about 14 bits of the running
+    sum (as in vLLM's kernel and DeepGEMM, which add each block's partial sum in fp32)."""
     if interpreting() or device.type != "cuda":
         return tl.float32
+    if exact:
+        return tl.float16
     return tl.float8e4nv if _fp8_mma(device.index if device.index is not None else torch.cuda.current_device()) \
         else tl.float16
 
@@ -230,7 +254,7 @@ _PREFILL = MoEConfig(BLOCK_M=64, BLOCK_N=64, BLOCK_K=32, GROUP_M=8, num_warps=4,
 
 def pick_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, *, top_k: int = 1,
                 table: dict[int, MoEConfig] | None = None, fp8: bool = False,
-                block_shape: tuple[int, int] | None = None) -> MoEConfig:
+                block_shape: tuple[int, int] | None = None, int4_group: int | None = None) -> MoEConfig:
     """The config for M tokens routed to ``top_k`` of E experts, intermediate size N, hidden size K.
 
     ``table`` (``load_config_table``): the entry of the nearest token count. Otherwise untuned
@@ -242,8 +266,13 @@ def pick_config(M: int, E: int, N: int, K: int, dtype: torch.dtype, *, top_k: in
     ``fp8`` (e4m3 experts): the reduction step is at least 64 (the 8-bit MMAs' k is 32); with
     ``block_shape`` (bn, bk) it is exactly bk, one activation scale group per step, whatever the
     table says (any BLOCK_N: the kernel loads each column's weight scale, ``n // bn``).
+
+    ``int4_group`` (int4 experts' group size, -1 for one group): the reduction step stays inside one
+    group (at most the group size, which is a power of two).
     """
     cfg = _default_config(M, E, N, K, dtype, top_k, table)
+    if int4_group is not None and int4_group != -1 and cfg.BLOCK_K > int4_group:
+        return replace(cfg, BLOCK_K=int4_group)
     if fp8 and block_shape is not None:
         return replace(cfg, BLOCK_K=int(block_shape[1]))
     if fp8 and not interpreting():
@@ -390,6 +419,33 @@ def _load_k(ptrs, mask, k_ok, EVEN_K: tl.constexpr):
     return t
 
 
+
+@triton.jit
+def _int4_step(acc, a, w_ptrs, s_ptrs, z_ptrs, n_ok, w_ok, e23, e19, e15, e11, e7, BLOCK_N: tl.constexpr,
+               BLOCK_K: tl.constexpr, SORTED: tl.constexpr, EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr,
+               IEEE: tl.constexpr, PAIRS: tl.constexpr):
+    """One k-step over int4 weights: the [BN, BK/8] words at ``w_ptrs`` (``w_ok``: words inside K),
+    dequantized to the exact q - z (``int4_gemm``'s tiles; BLOCK_K lies inside one group, whose scale
+    and zero rows are at ``s_ptrs`` / ``z_ptrs``), their product with ``a`` [BM, BK] times the group's
+    scale added to ``acc`` (W itself is never rounded)."""
+    s = tl.load(s_ptrs, mask=n_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_ptrs, mask=n_ok, other=0).to(tl.int32)
+    words = _load_k(w_ptrs, n_ok[:, None], w_ok[None, :], EVEN_K)
+    if PAIRS:
+        b = dequant_tile_pairs(words, z[:, None], s[:, None], BLOCK_N, BLOCK_K, False, DOT_DTYPE)
+    else:
+        b = dequant_tile(words, z.to(tl.float32)[:, None], s[:, None], e23, e19, e15, e11, e7, BLOCK_N, BLOCK_K,
+                          False, DOT_DTYPE)
+    if SORTED:
+        if IEEE:
+            part = tl.dot(a.to(DOT_DTYPE), tl.trans(b), input_precision="ieee")
+        else:
+            part = tl.dot(a.to(DOT_DTYPE), tl.trans(b))
+    else:  # the [1, BK] row against the [BN, BK] tile
+        part = tl.sum(a.to(tl.float32) * b.to(tl.float32), axis=1)[None, :]
+    return acc + part * s[None, :]
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_pid_m"])  # batch sizes only: one compile for all
 def _moe_gemm_kernel(
     a_ptr,  # [T, Kd]: pair p reads row p // PAIRS_PER_ROW
@@ -400,7 +456,9 @@ def _moe_gemm_kernel(
     experts_ptr,  # SORTED: int32 [C / BLOCK_M] expert per tile; else int32/int64 [P] expert per pair
     ntpp_ptr,  # int32 [1]: used sorted rows (SORTED)
     as_ptr,  # float32 activation scales (QUANT): [T, Kd / BLOCK_K] per k-group (1), [T] per row (2)
-    ws_ptr,  # float32 weight scales (QUANT): [E, N / SCALE_BN, Kd / BLOCK_K] per block (1), [E, N] (2)
+    ws_ptr,  # float32 weight scales (QUANT): [E, N / SCALE_BN, Kd / BLOCK_K] per block (1), [E, N] (2);
+             # QUANT 3: [E, G, N] group scales (float), beside uint8 zeros z_ptr of the same shape and strides
+    z_ptr,
     N,
     Kd,
     num_pairs,
@@ -413,6 +471,12 @@ def _moe_gemm_kernel(
     stride_wse,
     stride_wsn,
     stride_wsk,
+    group_size,  # QUANT 3: inputs per scale group (Kd when one group spans them)
+    e23,  # QUANT 3: float bits of 2^23, 2^19, .., 2^7 (int4_gemm's dequant_tile)
+    e19,
+    e15,
+    e11,
+    e7,
     PAIRS_PER_ROW: tl.constexpr,  # K for x (GEMM 1), 1 for the activated intermediate (GEMM 2)
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -423,8 +487,10 @@ def _moe_gemm_kernel(
     EVEN_K: tl.constexpr,  # Kd % BLOCK_K == 0
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,  # fp32 operands: full-precision tl.dot (not TF32)
-    QUANT: tl.constexpr = 0,  # e4m3 a and w: 0 none, 1 block scales per k-step, 2 row x column scales after
+    QUANT: tl.constexpr = 0,  # e4m3 a and w: 0 none, 1 block scales per k-step, 2 row x column scales after;
+                              # 3: int4 w (packed [E, N, Kd/8]), its group's scale after each k-step
     SCALE_BN: tl.constexpr = 128,  # QUANT 1: output features per weight-scale block
+    INT4_PAIRS: tl.constexpr = False,  # QUANT 3: dequantize two 16-bit values per instruction (GPU)
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -442,7 +508,14 @@ def _moe_gemm_kernel(
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = a_ptr + (rows // PAIRS_PER_ROW).to(tl.int64)[:, None] * stride_am + offs_k[None, :]
-    w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
+    if QUANT == 3:  # int4: the [BN, BK/8] words of a k-step, each output feature's contiguous along K
+        WORDS: tl.constexpr = BLOCK_K // 8
+        offs_w = tl.arange(0, WORDS)
+        w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn + offs_w[None, :]
+        s_ptrs = ws_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn
+        z_ptrs = z_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn
+    else:
+        w_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]  # [BK, BN]
     if QUANT == 1:  # this tile's activation scales (k-group 0) and weight-scale blocks (column n // SCALE_BN)
         as_ptrs = as_ptr + (rows // PAIRS_PER_ROW).to(tl.int64) * stride_asm
         ws_ptrs = ws_ptr + expert * stride_wse + (offs_n // SCALE_BN).to(tl.int64) * stride_wsn
@@ -450,26 +523,32 @@ def _moe_gemm_kernel(
     for k0 in range(0, Kd, BLOCK_K):
         k_ok = offs_k < Kd - k0
         a = _load_k(a_ptrs, row_ok[:, None], k_ok[None, :], EVEN_K)
-        b = _load_k(w_ptrs, n_ok[None, :], k_ok[:, None], EVEN_K)
-        if QUANT == 1:  # one k-step is one scale group: its e4m3 product, then both scales
-            if SORTED:
-                part = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
-            else:
-                part = tl.sum(tl.trans(a.to(tl.float32)) * b.to(tl.float32), axis=0)[None, :]
-            a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
-            b_s = tl.load(ws_ptrs, mask=n_ok, other=0.0)
-            acc += part * a_s[:, None] * b_s[None, :]
-            as_ptrs += 1
-            ws_ptrs += stride_wsk
-        elif SORTED:
-            if IEEE:
-                acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
-        else:  # [1, BK] row: a column times the [BK, BN] tile, summed over k
-            acc += tl.sum(tl.trans(a.to(tl.float32)) * b.to(tl.float32), axis=0)[None, :]
+        if QUANT == 3:
+            acc = _int4_step(acc, a, w_ptrs, s_ptrs + (k0 // group_size) * stride_wsk,
+                             z_ptrs + (k0 // group_size) * stride_wsk, n_ok, offs_w * 8 < Kd - k0,
+                             e23, e19, e15, e11, e7, BLOCK_N, BLOCK_K, SORTED, EVEN_K, DOT_DTYPE, IEEE, INT4_PAIRS)
+            w_ptrs += WORDS
+        else:
+            b = _load_k(w_ptrs, n_ok[None, :], k_ok[:, None], EVEN_K)
+            if QUANT == 1:  # one k-step is one scale group: its e4m3 product, then both scales
+                if SORTED:
+                    part = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE))
+                else:
+                    part = tl.sum(tl.trans(a.to(tl.float32)) * b.to(tl.float32), axis=0)[None, :]
+                a_s = tl.load(as_ptrs, mask=row_ok, other=0.0)
+                b_s = tl.load(ws_ptrs, mask=n_ok, other=0.0)
+                acc += part * a_s[:, None] * b_s[None, :]
+                as_ptrs += 1
+                ws_ptrs += stride_wsk
+            elif SORTED:
+                if IEEE:
+                    acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc, input_precision="ieee")
+                else:
+                    acc = tl.dot(a.to(DOT_DTYPE), b.to(DOT_DTYPE), acc)
+            else:  # [1, BK] row: a column times the [BK, BN] tile, summed over k
+                acc += tl.sum(tl.trans(a.to(tl.float32)) * b.to(tl.float32), axis=0)[None, :]
+            w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
     if QUANT == 2:  # per-row activation scale x per-column weight scale, once after the k loop
         a_s = tl.load(as_ptr + (rows // PAIRS_PER_ROW).to(tl.int64) * stride_asm, mask=row_ok, other=0.0)
         b_s = tl.load(ws_ptr + expert * stride_wse + offs_n.to(tl.int64) * stride_wsn, mask=n_ok, other=0.0)
@@ -495,18 +574,29 @@ def moe_gemm(
     a_scale: torch.Tensor | None = None,  # fp8: float32 [T, ceil(Kd / bk)] (block_shape), else [T, 1]
     w_scale: torch.Tensor | None = None,  # fp8: float32 [E, ceil(N / bn), ceil(Kd / bk)] (block_shape), else [E, N]
     block_shape: tuple[int, int] | None = None,  # fp8: (bn, bk) weight-scale blocks; config.BLOCK_K == bk
+    w_zeros: torch.Tensor | None = None,  # int4: uint8 [E, G, N] beside w_scale [E, G, N]
+    group_size: int | None = None,  # int4: inputs per group (-1: one group); config.BLOCK_K divides it
+    fp8_exact: bool = False,  # fp8: fp16 MMAs instead of e4m3 ones (``fp8_dot_dtype``)
 ) -> torch.Tensor:
     """One grouped GEMM into ``out``: row p = a[p // pairs_per_row] @ w[expert(p)].T, times
     ``routed_weights[p]`` when given. Rows of pairs the routing leaves out are not written.
     e4m3 ``a`` and ``w`` (the fp8 path) come with their scales: per (row, k-group) and per weight
-    block with ``block_shape``, else per row and per output feature (module docstring).
+    block with ``block_shape``, else per row and per output feature (module docstring); int4 ``w``
+    (int32 [E, N, Kd/8]) with its group scales and zeros.
     A building block of ``fused_moe``, which checks the arguments; here only ``out``'s shape."""
     num_experts, n, kd = w.shape
     check_tensor("out", out, shape=(routing.num_pairs, n))
     if routing.num_pairs == 0 or n == 0:
         return out
-    quant, scale_bn = 0, 128
-    if w.dtype == FP8_DTYPE:
+    quant, scale_bn, groups = 0, 128, kd
+    if w.dtype == torch.int32:
+        quant, kd = 3, kd * 8
+        groups = kd if group_size == -1 else int(group_size)
+        if w_scale is None or w_zeros is None or w_zeros.stride() != w_scale.stride():
+            raise ValueError("int4 weights need w_scale and w_zeros of one shape and strides")
+        if group_size != -1 and groups % config.BLOCK_K:
+            raise ValueError(f"int4 weights need BLOCK_K to divide the group size {groups}, got {config.BLOCK_K}")
+    elif w.dtype == FP8_DTYPE:
         if a_scale is None or w_scale is None or a.dtype != FP8_DTYPE:
             raise ValueError("e4m3 weights need e4m3 activations and both scales (a_scale, w_scale)")
         if block_shape is not None:
@@ -517,7 +607,9 @@ def moe_gemm(
         else:
             quant = 2
     strides_s = (0, 0, 0, 0)
-    if quant:
+    if quant == 3:  # [E, G, N]: the kernel's "n" stride is the feature's, its "k" stride the group's
+        strides_s = (0, w_scale.stride(0), w_scale.stride(2), w_scale.stride(1))
+    elif quant:
         strides_s = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
                      w_scale.stride(2) if w_scale.dim() == 3 else 0)
     if config.sorted:
@@ -529,13 +621,16 @@ def moe_gemm(
     rw = routed_weights if routed_weights is not None else out
     grid = (num_pid_m * triton.cdiv(n, config.BLOCK_N),)
     _moe_gemm_kernel[grid](
-        a, w, out, rw, rows, routing.expert_ids, ntpp, a_scale if quant else out, w_scale if quant else out,
+        a, w, out, rw, rows, routing.expert_ids, ntpp, a_scale if quant in (1, 2) else out,
+        w_scale if quant else out, w_zeros if quant == 3 else out,
         n, kd, routing.num_pairs, num_pid_m,
-        a.stride(0), w.stride(0), w.stride(1), out.stride(0), *strides_s,
+        a.stride(0), w.stride(0), w.stride(1), out.stride(0), *strides_s, groups, *EXPONENT_BITS,
         PAIRS_PER_ROW=pairs_per_row, BLOCK_M=config.BLOCK_M, BLOCK_N=config.BLOCK_N, BLOCK_K=config.BLOCK_K,
         GROUP_M=config.GROUP_M, SORTED=config.sorted, MUL_ROUTED_WEIGHT=routed_weights is not None,
-        EVEN_K=kd % config.BLOCK_K == 0, DOT_DTYPE=fp8_dot_dtype(a.device) if quant else dot_dtype(a.dtype),
+        EVEN_K=kd % config.BLOCK_K == 0,
+        DOT_DTYPE=fp8_dot_dtype(a.device, fp8_exact) if quant in (1, 2) else dot_dtype(a.dtype),
         IEEE=a.dtype == torch.float32, QUANT=quant, SCALE_BN=scale_bn,
+        INT4_PAIRS=quant == 3 and a.is_cuda and not interpreting() and a.dtype in (torch.bfloat16, torch.float16),
         num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
@@ -557,22 +652,38 @@ def _check_ids_in_range(topk_ids: torch.Tensor, num_experts: int, expert_map: to
 def check_moe_args(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
                    topk_ids: torch.Tensor, *, check_ids: bool = True, expert_map: torch.Tensor | None = None,
                    w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-                   block_shape: tuple[int, int] | None = None) -> None:
+                   block_shape: tuple[int, int] | None = None, w13_zeros: torch.Tensor | None = None,
+                   w2_zeros: torch.Tensor | None = None, group_size: int | None = None) -> None:
     """ValueError/TypeError naming the argument unless the tensors fit the contract (module docstring)."""
     check_tensor("x", x, ndim=2, dtypes=FLOAT_DTYPES)
     device = check_device(x, "x")
     m, h = x.shape
-    w_dtypes = (FP8_DTYPE,) if w13.dtype == FP8_DTYPE else (x.dtype,)
+    int4 = w13.dtype == torch.int32
+    w_dtypes = (FP8_DTYPE,) if w13.dtype == FP8_DTYPE else (torch.int32,) if int4 else (x.dtype,)
     check_tensor("w13", w13, ndim=3, dtypes=w_dtypes, device=device)
     num_experts, two_i, _ = w13.shape
     if two_i % 2:
         raise ValueError(f"w13 must stack gate and up projections ([E, 2I, H]), got an odd dim 1: {tuple(w13.shape)}")
-    check_tensor("w13", w13, shape=(num_experts, two_i, h))
-    check_tensor("w2", w2, shape=(num_experts, h, two_i // 2), dtypes=w_dtypes, device=device)
-    if block_shape is not None and (block_shape[1] < 16 or block_shape[1] & (block_shape[1] - 1)):
-        raise ValueError(f"block_shape {tuple(block_shape)}: the kernel's reduction step is the scale block's "
-                         "inputs, which must be a power of two >= 16 (fused_moe_ref takes any)")
-    check_fp8_moe_scales(w13, w2, w13_scale, w2_scale, block_shape)
+    pack = 8 if int4 else 1  # int4: eight inputs per int32 word
+    if h % pack:
+        raise ValueError(f"int4 experts need a hidden size that is a multiple of 8, got {h}")
+    check_tensor("w13", w13, shape=(num_experts, two_i, h // pack), contiguous=int4)
+    check_tensor("w2", w2, shape=(num_experts, h, two_i // 2 // pack), dtypes=w_dtypes, device=device,
+                 contiguous=int4)
+    if int4:
+        check_int4_moe_args(w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros, group_size)
+        if group_size != -1 and (group_size < 16 or group_size & (group_size - 1)):
+            raise ValueError(f"group_size {group_size}: the kernel's reduction step lies inside one group, which "
+                             "must be -1 or a power of two >= 16 (fused_moe_ref takes any)")
+        for name, t in (("w13_zeros", w13_zeros), ("w2_zeros", w2_zeros)):
+            check_tensor(name, t, device=device, contiguous=True)
+    else:
+        if w13_zeros is not None or w2_zeros is not None or group_size is not None:
+            raise ValueError(f"w13_zeros / w2_zeros / group_size are for int4 (int32) experts; w13 is {w13.dtype}")
+        if block_shape is not None and (block_shape[1] < 16 or block_shape[1] & (block_shape[1] - 1)):
+            raise ValueError(f"block_shape {tuple(block_shape)}: the kernel's reduction step is the scale block's "
+                             "inputs, which must be a power of two >= 16 (fused_moe_ref takes any)")
+        check_fp8_moe_scales(w13, w2, w13_scale, w2_scale, block_shape)
     if w13_scale is not None:
         check_tensor("w13_scale", w13_scale, device=device, contiguous=True)
         check_tensor("w2_scale", w2_scale, device=device, contiguous=True)
@@ -602,6 +713,9 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,  # (bn, bk): block-wise scales, per-token-group activations
     intermediate_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,  # per-token scales under TP
+    w13_zeros: torch.Tensor | None = None,  # int4 experts: uint8 zero points beside w13_scale / w2_scale
+    w2_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,  # int4 experts: inputs per scale group (-1: one group)
 ) -> torch.Tensor:  # [M, H], x.dtype
     """The routed experts' SwiGLU MLPs summed over each token's top-k slots (module docstring).
 
@@ -611,7 +725,8 @@ def fused_moe(
     """
     if check:
         check_moe_args(x, w13, w2, topk_weights, topk_ids, expert_map=expert_map, w13_scale=w13_scale,
-                       w2_scale=w2_scale, block_shape=block_shape)
+                       w2_scale=w2_scale, block_shape=block_shape, w13_zeros=w13_zeros, w2_zeros=w2_zeros,
+                       group_size=group_size)
     m, h = x.shape
     num_experts, two_i, _ = w13.shape
     top_k = topk_ids.shape[1]
@@ -619,25 +734,30 @@ def fused_moe(
     out = torch.empty((m, h), dtype=x.dtype, device=x.device)
     if pairs == 0:
         return out.zero_()
-    fp8 = w13.dtype == FP8_DTYPE
+    fp8, int4 = w13.dtype == FP8_DTYPE, w13.dtype == torch.int32
     block = (int(block_shape[0]), int(block_shape[1])) if fp8 and block_shape is not None else None
     config = config or pick_config(m, num_experts, two_i // 2, h, x.dtype, top_k=top_k, fp8=fp8, block_shape=block,
-                                   table=table_for(x, num_experts, two_i // 2, fp8, block))
+                                   int4_group=group_size if int4 else None,
+                                   table=table_for(x, num_experts, two_i // 2, fp8, block, int4))
     if expert_map is not None:
         topk_ids = expert_map.index_select(0, topk_ids.reshape(-1)).view(topk_ids.shape)
     routing = route(topk_ids, num_experts, config)
     weights = topk_weights.reshape(-1)
     inter1 = torch.empty((pairs, two_i), dtype=x.dtype, device=x.device)
     scales1 = scales2 = {}
+    if int4:
+        scales1 = dict(w_scale=w13_scale, w_zeros=w13_zeros, group_size=group_size)
+        scales2 = dict(w_scale=w2_scale, w_zeros=w2_zeros, group_size=group_size)
     if fp8:  # e4m3 activations: x per token (per group of bk inputs with block scales), then the intermediate
         xq, xs = quantize_moe_activations(x, block)
-        x, scales1 = xq, dict(a_scale=xs, w_scale=w13_scale, block_shape=block)
+        exact = x.dtype == torch.float32  # fp32 activations: exact fp16 MMAs over the e4m3 values
+        x, scales1 = xq, dict(a_scale=xs, w_scale=w13_scale, block_shape=block, fp8_exact=exact)
     moe_gemm(x, w13, inter1, routing, config, pairs_per_row=top_k,
              routed_weights=weights if apply_router_weight_on_input else None, **scales1)
     inter = silu_and_mul(inter1)
     if fp8:
         inter, i_scale = quantize_moe_activations(inter, block, intermediate_amax)
-        scales2 = dict(a_scale=i_scale, w_scale=w2_scale, block_shape=block)
+        scales2 = dict(a_scale=i_scale, w_scale=w2_scale, block_shape=block, fp8_exact=exact)
     inter2 = out if top_k == 1 else torch.empty((pairs, h), dtype=out.dtype, device=out.device)
     if expert_map is not None:
         inter2.zero_()  # rows of pairs held elsewhere are not written

@@ -5,7 +5,7 @@ Contract::
 
     fused_moe_ref(x, w13, w2, topk_weights, topk_ids, *, apply_router_weight_on_input=False,
                   expert_map=None, w13_scale=None, w2_scale=None, block_shape=None,
-                  intermediate_amax=None) -> out
+                  intermediate_amax=None, w13_zeros=None, w2_zeros=None, group_size=None) -> out
 
     x             [M, H]      activations (any float dtype)
     w13           [E, 2I, H]  per expert: rows [0, I) the gate projection (checkpoint ``gate_proj`` /
@@ -49,6 +49,18 @@ FP8 experts (w13 and w2 float8_e4m3fn, W8A8 with dynamic activation scales), two
     scales GEMM 1's float32 result. ``intermediate_amax`` (per token, the intermediate split over
     tensor-parallel ranks): maps each row's |max| [P, 1] on this rank to the whole row's, so every
     rank quantizes as the unsplit layer would.
+
+int4 experts (W4A16: GPTQ / AWQ checkpoints repacked at load by ``quantization/int4_moe.py``), each
+expert in the int4 kernel layout of ``kernels/int4_gemm_ref.py`` (output features as rows, eight
+inputs per int32 word)::
+
+    w13        int32 [E, 2I, H/8]       w2        int32 [E, H, I/8]
+    w13_scale  [E, G13, 2I] float       w2_scale  [E, G2, H]          G13 = H / group_size, G2 = I / group_size
+    w13_zeros  uint8 [E, G13, 2I]       w2_zeros  uint8 [E, G2, H]    (group_size -1: one group, G = 1)
+
+    W[e] = dequantize_int4_ref(w[e], scale[e], zeros[e], group_size, x.dtype).T   (fp32 math, rounded once)
+
+and then the float contract above, only the experts that received tokens dequantized.
 """
 
 from __future__ import annotations
@@ -65,6 +77,7 @@ from paged_backend.kernels.fp8_quant_ref import (
     quantize_fp8_groups_ref,
     quantize_fp8_ref,
 )
+from paged_backend.kernels.int4_gemm_ref import dequantize_int4_ref
 
 
 def _check_shapes(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -118,10 +131,29 @@ def fused_moe_ref(
     w2_scale: torch.Tensor | None = None,
     block_shape: tuple[int, int] | None = None,
     intermediate_amax: Callable[[torch.Tensor], torch.Tensor] | None = None,
+    w13_zeros: torch.Tensor | None = None,
+    w2_zeros: torch.Tensor | None = None,
+    group_size: int | None = None,
 ) -> torch.Tensor:
     """The routed experts' weighted sum per token (see the module docstring for the contract)."""
-    _check_shapes(x, w13, w2, topk_weights, topk_ids, expert_map)
-    check_fp8_moe_scales(w13, w2, w13_scale, w2_scale, block_shape)
+    int4 = w13.dtype == torch.int32
+    if int4:
+        check_int4_moe_args(w13, w2, w13_scale, w2_scale, w13_zeros, w2_zeros, group_size)
+        e, two_i, _ = w13.shape
+        _check_shapes(x, torch.empty(e, two_i, w13.shape[2] * 8, device="meta"),
+                      torch.empty(e, w2.shape[1], w2.shape[2] * 8, device="meta"), topk_weights, topk_ids, expert_map)
+
+        def weights_of(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return (dequantize_int4_ref(w13[expert], w13_scale[expert], w13_zeros[expert], group_size, x.dtype).t(),
+                    dequantize_int4_ref(w2[expert], w2_scale[expert], w2_zeros[expert], group_size, x.dtype).t())
+    else:
+        _check_shapes(x, w13, w2, topk_weights, topk_ids, expert_map)
+        check_fp8_moe_scales(w13, w2, w13_scale, w2_scale, block_shape)
+        if w13_zeros is not None or w2_zeros is not None or group_size is not None:
+            raise ValueError(f"w13_zeros / w2_zeros / group_size are for int4 (int32) experts; w13 is {w13.dtype}")
+
+        def weights_of(expert: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return w13[expert], w2[expert]
     if w13.dtype == FP8_DTYPE:
         return _fused_moe_fp8_ref(x, w13, w2, topk_weights, topk_ids, apply_router_weight_on_input, expert_map,
                                   w13_scale, w2_scale, block_shape, intermediate_amax)
@@ -143,12 +175,47 @@ def fused_moe_ref(
         tokens = rows // k
         weights = flat_weights[rows].unsqueeze(-1)
         xe = x.index_select(0, tokens)
+        w13_e, w2_e = weights_of(expert)
         if apply_router_weight_on_input:
-            y = _expert_mlp((xe.to(acc_dtype) * weights).to(x.dtype), w13[expert], w2[expert], acc_dtype)
+            y = _expert_mlp((xe.to(acc_dtype) * weights).to(x.dtype), w13_e, w2_e, acc_dtype)
         else:
-            y = _expert_mlp(xe, w13[expert], w2[expert], acc_dtype) * weights
+            y = _expert_mlp(xe, w13_e, w2_e, acc_dtype) * weights
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
+
+
+# -- int4 experts -----------------------------------------------------------------------------------
+
+
+def check_int4_moe_args(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None,
+                        w2_scale: torch.Tensor | None, w13_zeros: torch.Tensor | None, w2_zeros: torch.Tensor | None,
+                        group_size: int | None) -> None:
+    """ValueError/TypeError naming the argument unless int4 experts (int32 ``w13``) come with the scales,
+    zeros and group size of the contract (module docstring)."""
+    if w2.dtype != torch.int32:
+        raise TypeError(f"w2 must be int32 (packed int4) like w13, got {w2.dtype}")
+    if w13.dim() != 3 or w2.dim() != 3:
+        raise ValueError(f"int4 experts must be w13 [E, 2I, H/8], w2 [E, H, I/8]; got {tuple(w13.shape)}, "
+                         f"{tuple(w2.shape)}")
+    if any(t is None for t in (w13_scale, w2_scale, w13_zeros, w2_zeros, group_size)):
+        raise ValueError("int4 experts need w13_scale, w2_scale, w13_zeros, w2_zeros and group_size")
+    e, two_i, h8 = w13.shape
+    h, i = h8 * 8, w2.shape[2] * 8
+    if two_i % 2 or tuple(w2.shape[:2]) != (e, h) or two_i // 2 != i:
+        raise ValueError(f"w13 {tuple(w13.shape)} / w2 {tuple(w2.shape)} do not stack as int4 experts "
+                         "(need w13 [E, 2I, H/8], w2 [E, H, I/8])")
+    if group_size != -1 and (group_size < 8 or h % group_size or i % group_size):
+        raise ValueError(f"group_size {group_size} must be -1 or divide both H={h} and I={i}")
+    groups = (1, 1) if group_size == -1 else (h // group_size, i // group_size)
+    for name, t, want in (("w13_scale", w13_scale, (e, groups[0], two_i)), ("w2_scale", w2_scale, (e, groups[1], h)),
+                          ("w13_zeros", w13_zeros, (e, groups[0], two_i)), ("w2_zeros", w2_zeros, (e, groups[1], h))):
+        if tuple(t.shape) != want:
+            raise ValueError(f"{name} must have shape {want} (per expert, group and output feature), "
+                             f"got {tuple(t.shape)}")
+        if name.endswith("zeros") and t.dtype != torch.uint8:
+            raise TypeError(f"{name} must be uint8, got {t.dtype}")
+        if name.endswith("scale") and not t.dtype.is_floating_point:
+            raise TypeError(f"{name} must be a float tensor, got {t.dtype}")
 
 
 # -- fp8 experts ------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ k-block ahead. Act-order: the activations are gathered through ``perm`` in the k
 kernel layout's nibble order pays off: columns 2i and 2i + 1 of a word sit at bits 4i and 16 + 4i,
 so a shift, one LOP3 (mask 0x000F000F, OR the bits of 128.0 / 1024.0 in both halves: each nibble
 becomes the units place of a 16-bit mantissa) and one paired subtract of 128 + z give the exact
-q - z of two columns, already packed as the tensor cores take them (``_dequant_tile_pairs``, 1.4
+q - z of two columns, already packed as the tensor cores take them (``dequant_tile_pairs``, 1.4
 instructions per weight instead of ~2.7). Elsewhere the exact fp32 route of the GEMV, rounded to
 bf16/fp16. The planes are joined into the [BLOCK_N, BLOCK_K] tile, one ``tl.dot`` per
 k-block with the group scale applied to the fp32 block product (``scale_after``: cheaper than
@@ -76,7 +76,7 @@ from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tens
 PATHS = ("gemv", "dot", "mma")
 REDUCES = ("last", "kernel")
 TICKETS = 1 << 16  # split-K tickets per device (tiles per launch); larger grids use reduce="kernel"
-_EXPONENT_BITS = tuple((127 + p) << 23 for p in (23, 19, 15, 11, 7))  # float bits of 2^p (see _nibble)
+EXPONENT_BITS = tuple((127 + p) << 23 for p in (23, 19, 15, 11, 7))  # float bits of 2^p (see _nibble)
 
 
 @dataclass(frozen=True)
@@ -271,12 +271,12 @@ def _row_block(words, w12, z, s, e23, e19, e15, e11, e7, xs):
 
 
 @triton.jit
-def _dequant_tile(words, z, s, e23, e19, e15, e11, e7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def dequant_tile(words, z, s, e23, e19, e15, e11, e7, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                   SCALE: tl.constexpr, DTYPE: tl.constexpr):
     """int32 words [BN, BK/8] -> [BN, BK] in DTYPE: q - z (exact in bf16/fp16), times ``s`` when
     SCALE (then rounded once, as the reference). The eight nibble planes are joined in column
     order, every join adding an in-thread dimension (no data movement). The interpreter's and
-    fp32's path; ``_dequant_tile_pairs`` is the GPU's for 16-bit dtypes."""
+    fp32's path; ``dequant_tile_pairs`` is the GPU's for 16-bit dtypes."""
     w12 = words >> 12
     q0 = _nibble(words, w12, 0, e23) - (z + 8388608.0)
     q1 = _nibble(words, w12, 1, e19) - (z + 524288.0)
@@ -310,7 +310,7 @@ def _dequant_tile(words, z, s, e23, e19, e15, e11, e7, BLOCK_N: tl.constexpr, BL
 
 
 def _pairs_asm(bf16: bool, scale: bool) -> str:
-    """PTX of ``_dequant_tile_pairs`` for one word ($8): nibble pair i is bits 4i and 16 + 4i,
+    """PTX of ``dequant_tile_pairs`` for one word ($8): nibble pair i is bits 4i and 16 + 4i,
     ORed into the mantissas of a 16-bit pair of 2^e (bf16 128, fp16 1024: the units place is
     the mantissa's lowest bit), then ``fma(t, 1, -(2^e + z))`` ($9 holds that pair) leaves q - z
     exactly; with ``scale`` one more paired multiply by s ($10), rounded once."""
@@ -336,9 +336,9 @@ _PAIRS_FP16_SCALE = tl.constexpr(_pairs_asm(False, True))
 
 
 @triton.jit
-def _dequant_tile_pairs(words, z, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
+def dequant_tile_pairs(words, z, s, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SCALE: tl.constexpr,
                         DTYPE: tl.constexpr):
-    """``_dequant_tile`` on the GPU for a 16-bit DTYPE, two values per instruction (``_pairs_asm``),
+    """``dequant_tile`` on the GPU for a 16-bit DTYPE, two values per instruction (``_pairs_asm``),
     for the kernel layout's word order (nibble pair i = columns 8w + 2i, 8w + 2i + 1). ``z``
     int32, ``s`` fp32."""
     if DTYPE == tl.bfloat16:
@@ -647,9 +647,9 @@ def _int4_dot_kernel(
         else:
             x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & (offs_k < k_end)[None, :], other=0.0)
         if PAIRS:
-            w = _dequant_tile_pairs(words, z_i[:, None], s[:, None], BLOCK_N, BLOCK_K, not SCALE_AFTER, DOT_DTYPE)
+            w = dequant_tile_pairs(words, z_i[:, None], s[:, None], BLOCK_N, BLOCK_K, not SCALE_AFTER, DOT_DTYPE)
         else:
-            w = _dequant_tile(words, z[:, None], s[:, None], e23, e19, e15, e11, e7, BLOCK_N, BLOCK_K,
+            w = dequant_tile(words, z[:, None], s[:, None], e23, e19, e15, e11, e7, BLOCK_N, BLOCK_K,
                               not SCALE_AFTER, DOT_DTYPE)
         x = x.to(DOT_DTYPE)
         if SCALE_AFTER:  # the block's fp32 product times the group's scale: W is never rounded
@@ -1256,7 +1256,7 @@ def int4_gemm(
             x, qweight, scales, zeros, perm if perm is not None else qweight, bias_arg, out, part, ticket_arg,
             m, n, k, group_size, plan.k_per_split, plan.splits,
             x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
-            *_EXPONENT_BITS,
+            *EXPONENT_BITS,
             BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_LOG2=_group_log2(group_size, k),
             EVEN_K=k % plan.block_k == 0, PREFETCH=min(cfg.num_stages - 1, 2), X_MODE=x_mode, REDUCE=reduce, HAS_BIAS=bias is not None,
             num_warps=cfg.num_warps, num_stages=1,
@@ -1268,7 +1268,7 @@ def int4_gemm(
             x, qweight, scales, zeros, bias_arg, out, part, ticket_arg,
             m, n, k, group_size, plan.k_per_split, plan.splits,
             x.stride(0), qweight.stride(0), scales.stride(0), zeros.stride(0), part.stride(0) if reduce else 0,
-            *_EXPONENT_BITS,
+            *EXPONENT_BITS,
             BLOCK_M=plan.block_m, BLOCK_N=cfg.block_n, BLOCK_K=plan.block_k, GROUP_LOG2=_group_log2(group_size, k),
             EVEN_K=k % plan.block_k == 0, REDUCE=reduce, HAS_BIAS=bias is not None, SWAP_AB=cfg.swap_ab, SCALE_AFTER=plan.scale_after,
             DOT_DTYPE=dot_dtype(x.dtype), IEEE=x.dtype == torch.float32,

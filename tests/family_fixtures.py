@@ -114,3 +114,28 @@ def rewrite_checkpoint(src: Path, dst: Path, edit: Callable[[dict[str, torch.Ten
             (dst / f.name).write_bytes(f.read_bytes())
     save_file(edit(load_file(src / "model.safetensors")), dst / "model.safetensors", metadata={"format": "pt"})
     return dst
+
+
+# tiny MoE families whose every linear splits into whole 128-blocks (fp8) and 64-groups (int4), also over two
+# ranks: q/k/v 256 rows each, every intermediate 256; routers scaled (``scale_routers``)
+QUANT_MOE_SHAPES = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=4, head_dim=64,
+                        intermediate_size=256, moe_intermediate_size=256)
+QUANT_MOE_FAMILIES = {
+    "qwen3_moe": ("Qwen3MoeForCausalLM", dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                              mlp_only_layers=[0], num_hidden_layers=3)),
+    "glm4_moe": ("Glm4MoeForCausalLM", dict(n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+                                            routed_scaling_factor=2.5, n_shared_experts=1, first_k_dense_replace=1,
+                                            partial_rotary_factor=0.5, use_qk_norm=True, attention_bias=True)),
+    "mixtral": ("MixtralForCausalLM", dict(num_local_experts=8, num_experts_per_tok=2)),
+}
+
+
+def make_quant_moe_families(tmp_path_factory) -> dict[str, Path]:
+    """One dense tiny checkpoint of each ``QUANT_MOE_FAMILIES`` family, by model_type."""
+    from model_fixtures import make_tiny_checkpoint
+
+    out = {}
+    for family, (arch, overrides) in QUANT_MOE_FAMILIES.items():
+        out[family] = make_tiny_checkpoint(tmp_path_factory.mktemp(family), arch, **{**QUANT_MOE_SHAPES, **overrides})
+        scale_routers(out[family])
+    return out

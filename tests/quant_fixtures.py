@@ -101,6 +101,15 @@ def write_fp8_moe_checkpoint(src: Path, dst: Path, deq_dst: Path, fmt: str, bloc
         else:
             out[name] = deq[name] = t
     cfg = json.loads((src / "config.json").read_text())
+    write_quantized_pair(src, dst, deq_dst, out, deq, fp8_moe_quant_config(fmt, cfg["num_hidden_layers"], block))
+    return names
+
+
+def write_quantized_pair(src: Path, dst: Path, deq_dst: Path, out: dict[str, torch.Tensor],
+                         deq: dict[str, torch.Tensor], quant_config: dict) -> None:
+    """``src``'s checkpoint with tensors ``out`` and ``quant_config`` into ``dst``, and with the dequantized
+    ``deq`` and no quantization config into ``deq_dst`` (tokenizer and other files copied to both)."""
+    cfg = json.loads((src / "config.json").read_text())
     for folder, weights in ((dst, out), (deq_dst, deq)):
         folder.mkdir(parents=True)
         for f in src.iterdir():
@@ -108,6 +117,79 @@ def write_fp8_moe_checkpoint(src: Path, dst: Path, deq_dst: Path, fmt: str, bloc
                 (folder / f.name).write_bytes(f.read_bytes())
         save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     (deq_dst / "config.json").write_text(json.dumps(cfg))
-    cfg["quantization_config"] = fp8_moe_quant_config(fmt, cfg["num_hidden_layers"], block)
-    (dst / "config.json").write_text(json.dumps(cfg))
-    return names
+    (dst / "config.json").write_text(json.dumps({**cfg, "quantization_config": quant_config}))
+
+
+# -- int4 mixture-of-experts checkpoints: the same decoder linears in GPTQ or AWQ int4 (asymmetric groups along
+# the inputs, fp16 scales), the routers, embeddings, norms and lm_head dense
+
+AWQ_NIBBLES = (0, 2, 4, 6, 1, 3, 5, 7)  # AutoAWQ's word order: nibble i holds column 8c + AWQ_NIBBLES[i]
+
+
+def int4_moe_quant_config(fmt: str, group_size: int) -> dict:
+    """config.json's ``quantization_config`` of ``fmt``: "gptq" (GPTQModel's keys, v1 zero points, no
+    act-order) or "awq" (AutoAWQ GEMM)."""
+    if fmt == "gptq":
+        return {"quant_method": "gptq", "bits": 4, "group_size": group_size, "desc_act": False, "sym": False,
+                "checkpoint_format": "gptq", "lm_head": False}
+    return {"quant_method": "awq", "bits": 4, "group_size": group_size, "zero_point": True, "version": "gemm",
+            "modules_to_not_convert": None}
+
+
+def quantize_int4_weight(w: torch.Tensor, group_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+    """[N, K] -> (codes [K, N] 0..15, zero points [G, N] 1..15, fp16 scales [G, N], the dequantized float32
+    weight [N, K]): min/max groups of ``group_size`` inputs (zero points kept >= 1: GPTQ v1 stores zero - 1)."""
+    n, k = w.shape
+    groups = w.float().reshape(n, k // group_size, group_size)
+    lo, hi = groups.amin(-1).clamp(max=0.0), groups.amax(-1).clamp(min=0.0)
+    scale = ((hi - lo) / 15).clamp_min(1e-6).half()
+    zero = (-lo / scale.float()).round().clamp(1, 15)
+    codes = (groups / scale.float()[..., None] + zero[..., None]).round().clamp(0, 15)
+    deq = ((codes - zero[..., None]) * scale.float()[..., None]).reshape(n, k)
+    return (codes.reshape(n, k).t().contiguous().to(torch.int32), zero.t().contiguous().to(torch.int32),
+            scale.t().contiguous(), deq)
+
+
+def _pack_rows(v: torch.Tensor) -> torch.Tensor:
+    """int [R, C] 0..15 -> int32 [R/8, C]: rows 8r + j in nibble j (GPTQ's qweight)."""
+    r, c = v.shape
+    parts = v.reshape(r // 8, 8, c).to(torch.int64)
+    word = sum(parts[:, j] << (4 * j) for j in range(8))
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
+def _pack_cols(v: torch.Tensor, order: tuple[int, ...] = tuple(range(8))) -> torch.Tensor:
+    """int [R, C] 0..15 -> int32 [R, C/8]: nibble i of word c holds column 8c + order[i]."""
+    r, c = v.shape
+    parts = v.reshape(r, c // 8, 8).to(torch.int64)
+    word = sum(parts[:, :, order[i]] << (4 * i) for i in range(8))
+    return torch.where(word >= 1 << 31, word - (1 << 32), word).to(torch.int32)
+
+
+def int4_tensors(name: str, w: torch.Tensor, fmt: str, group_size: int) -> tuple[dict[str, torch.Tensor],
+                                                                                 torch.Tensor]:
+    """The checkpoint tensors of the linear ``name`` (``...gate_proj.weight``) in ``fmt``, and its dequantized
+    float32 weight."""
+    codes, zero, scale, deq = quantize_int4_weight(w, group_size)
+    base = name.removesuffix(".weight")
+    if fmt == "gptq":
+        k = codes.shape[0]
+        return {f"{base}.qweight": _pack_rows(codes), f"{base}.qzeros": _pack_cols(zero - 1),
+                f"{base}.scales": scale, f"{base}.g_idx": (torch.arange(k) // group_size).to(torch.int32)}, deq
+    return {f"{base}.qweight": _pack_cols(codes, AWQ_NIBBLES), f"{base}.qzeros": _pack_cols(zero, AWQ_NIBBLES),
+            f"{base}.scales": scale}, deq
+
+
+def write_int4_moe_checkpoint(src: Path, dst: Path, deq_dst: Path, fmt: str, group_size: int) -> None:
+    """Quantizes ``src``'s decoder linears (``_MOE_LINEAR``) to int4 in ``fmt`` into ``dst``, and writes the
+    dequantized float32 weights into ``deq_dst`` (no quantization config: what transformers runs)."""
+    tensors = load_file(src / "model.safetensors")
+    out, deq = {}, {}
+    for name, t in tensors.items():
+        if _MOE_LINEAR.match(name):
+            packed, deq[name] = int4_tensors(name, t, fmt, group_size)
+            out.update(packed)
+        else:
+            out[name] = deq[name] = t
+    write_quantized_pair(src, dst, deq_dst, out, deq, int4_moe_quant_config(fmt, group_size))

@@ -10,7 +10,7 @@ import tempfile
 from typing import Any
 
 # model shapes by name (the shapes of docs/BENCHMARKS.md's W1 / W2 / W4 workloads); an entry may name
-# its own architecture and model_type (the default: a Llama)
+# its own architecture and model_type (the default: a Llama) and a quantization_config
 MODEL_SHAPES: dict[str, dict[str, Any]] = {
     "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                          num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
@@ -24,6 +24,11 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                           head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=1000000.0,
                           max_position_embeddings=40960, rms_norm_eps=1e-6),
 }
+# Qwen3-30B-A3B-FP8's release: the same shapes, every decoder linear and expert block-wise e4m3 (run with
+# --quantization fp8; the dummy weights then fill that format)
+MODEL_SHAPES["qwen3-30b-a3b-fp8"] = dict(
+    MODEL_SHAPES["qwen3-30b-a3b"],
+    quantization_config=dict(quant_method="fp8", activation_scheme="dynamic", fmt="e4m3", weight_block_size=[128, 128]))
 
 
 def write_shape_config(name: str, tokenizer_from: str | os.PathLike[str] | None = None) -> str:

@@ -9,7 +9,8 @@ batch touches (the decode floor), over the kernel's time. Prints a table last.
 
 ``--tune`` writes that table instead (``moe_tune.py``). ``--quant fp8-block`` (128 x 128 block scales,
 activations per token and 128 inputs) or ``fp8-channel`` (per-channel scales, per-token activations)
-runs e4m3 experts, with ``--dtype`` the activations' type; the bandwidth then counts e4m3 bytes.
+runs e4m3 experts, ``int4`` W4A16 experts (groups of 128), with ``--dtype`` the activations' type; the
+bandwidth then counts the e4m3 bytes or the packed int4 words (scales and zeros left out).
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--intermediate", type=int, default=14336, help="one expert's intermediate size")
     p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
     p.add_argument("--quant", choices=QUANTS, default="none", help="e4m3 experts: block-wise 128 x 128 or "
-                   "per-channel weight scales (dynamic fp8 activations)")
+                   "per-channel weight scales (dynamic fp8 activations); int4: W4A16 experts, groups of 128")
     p.add_argument("--rep-ms", type=int, default=200, help="do_bench's timing budget for the reference")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tune", action="store_true", help="search the configs per M and write the tuning table")
@@ -59,7 +60,7 @@ def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("bench moe needs a CUDA device", file=sys.stderr)
         return 2
-    from paged_backend.kernels.fused_moe import CONFIG_DIR, fused_moe, pick_config, table_for
+    from paged_backend.kernels.fused_moe import CONFIG_DIR, fused_moe, pick_config
     from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 
     if args.tune:
@@ -70,13 +71,19 @@ def run(args: argparse.Namespace) -> int:
         args.out_dir = args.out_dir or CONFIG_DIR
         return tune(args)
 
-    from paged_backend.benchmarks.moe_tune import moe_weights, routing_sets, time_moe_ms
+    from paged_backend.benchmarks.moe_tune import (
+        moe_weights,
+        pick_kwargs,
+        quant_table,
+        routing_sets,
+        time_moe_ms,
+    )
 
     dev, dtype = torch.device("cuda"), getattr(torch, args.dtype)
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
     w13, w2, quant = moe_weights(e, i, h, dtype, args.seed, args.quant)
-    fp8, block = bool(quant), quant.get("block_shape")
-    table = table_for(torch.empty(0, dtype=dtype, device=dev), e, i, fp8, block)
+    fp8 = args.quant.startswith("fp8")
+    table = quant_table(torch.empty(0, dtype=dtype, device=dev), e, i, args.quant)
     print(run_header(torch.cuda.get_device_name(dev)), flush=True)
     print(f"E {e}, top-{k}, H {h}, I {i}, {args.dtype}, experts {args.quant}, "
           f"{'tuned table' if table else 'no tuned table for this device: default configs'}", flush=True)
@@ -91,7 +98,7 @@ def run(args: argparse.Namespace) -> int:
         ours = time_moe_ms(None, w13, w2, sets, quant=quant)
         ref = do_bench_ms(functools.partial(fused_moe_ref, x, w13, w2, weights, ids, **quant), args.rep_ms)
         touched = sum(int(torch.unique(s[2]).numel()) for s in sets) / len(sets)
-        cfg = pick_config(m, e, i, h, dtype, top_k=k, table=table, fp8=fp8, block_shape=block)
+        cfg = pick_config(m, e, i, h, dtype, top_k=k, table=table, **pick_kwargs(args.quant))
         rows.append((m, "pairs" if cfg.BLOCK_M == 1 else f"sorted {cfg.BLOCK_M}-row", ours, ref, touched,
                      touched * expert_bytes / (ours * 1e-3) / 1e12))
     print(f"{'M':>6} | {'path':<15} | {'fused_moe us':>12} | {'reference us':>12} | {'experts':>7} | {'weights TB/s':>12}")

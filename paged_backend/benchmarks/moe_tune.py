@@ -21,7 +21,9 @@ cache then serves the timing process), so the timing process spends its time tim
 
 ``--quant fp8-block`` / ``fp8-channel`` tunes e4m3 experts (block-wise 128 x 128 scales, or one
 per output channel) and writes vLLM's fp8 table name (``...,dtype=fp8_w8a8[,block_shape=[128,128]].json``);
-block-wise candidates all step 128 inputs (one scale group), channel ones at least 64.
+block-wise candidates all step 128 inputs (one scale group), channel ones at least 64. ``--quant int4``
+tunes int4 experts (groups of 128 inputs, as GPTQ / AWQ releases) under vLLM's ``dtype=int4_w4a16``
+name; their candidates step 64 or 128 inputs (inside one group).
 """
 
 from __future__ import annotations
@@ -84,22 +86,49 @@ def launch_candidates(best: list, elem_bytes: int = 2) -> list:
 # -- inputs (the same in the workers and the timing process) --------------------------------------
 
 
-QUANTS = ("none", "fp8-block", "fp8-channel")
+QUANTS = ("none", "fp8-block", "fp8-channel", "int4")
 FP8_BLOCK = (128, 128)
+INT4_GROUP = 128
 
 
 def quant_block(quant: str) -> tuple[int, int] | None:
     return FP8_BLOCK if quant == "fp8-block" else None
 
 
+def pick_kwargs(quant: str) -> dict:
+    """``pick_config``'s keyword arguments for experts of kind ``quant``."""
+    return dict(fp8=quant.startswith("fp8"), block_shape=quant_block(quant),
+                int4_group=INT4_GROUP if quant == "int4" else None)
+
+
+def quant_table(x, e: int, i: int, quant: str):
+    """The tuned table ``fused_moe`` reads for experts of kind ``quant`` and activations like ``x``."""
+    from paged_backend.kernels.fused_moe import table_for
+
+    kw = pick_kwargs(quant)
+    return table_for(x, e, i, kw["fp8"], kw["block_shape"], quant == "int4")
+
+
 def moe_weights(e: int, i: int, h: int, dtype, seed: int, quant: str = "none"):
     """(w13, w2, the MoE op's scale arguments): seeded experts in ``dtype``, or e4m3 with their scales
-    (``quant``: fp8-block, 128 x 128 blocks; fp8-channel, one per output row)."""
+    (``quant``: fp8-block, 128 x 128 blocks; fp8-channel, one per output row), or int4 (random codes, zero
+    point 8, fp16 group scales of ``INT4_GROUP`` inputs, in the kernel layout)."""
     import torch
 
     from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, FP8_MAX, expand_block_scales
 
     gen = torch.Generator(device="cuda").manual_seed(seed)
+    if quant == "int4":
+        from paged_backend.quantization.int4 import dummy_scales, random_int32
+
+        out = []
+        for n, kd in ((2 * i, h), (h, i)):
+            words = random_int32((e, n, kd // 8), gen, torch.device("cuda"))
+            shape = (e, kd // INT4_GROUP, n)
+            out += [words, dummy_scales(shape, gen, torch.device("cuda"), kd**-0.5).half(),
+                    torch.full(shape, 8, dtype=torch.uint8, device="cuda")]
+        return out[0], out[3], dict(w13_scale=out[1], w2_scale=out[4], w13_zeros=out[2], w2_zeros=out[5],
+                                    group_size=INT4_GROUP)
     w13 = torch.randn(e, 2 * i, h, device="cuda", generator=gen) * h**-0.5
     w2 = torch.randn(e, h, i, device="cuda", generator=gen) * i**-0.5
     if quant == "none":
@@ -215,12 +244,18 @@ def tune(args: argparse.Namespace) -> int:
     """Writes the table for the current device (see the module docstring); 1 if a winner fails its check."""
     import torch
 
-    from paged_backend.kernels.fused_moe import FP8_SELECTOR, config_file_name, fused_moe, pick_config
+    from paged_backend.kernels.fused_moe import (
+        FP8_SELECTOR,
+        INT4_SELECTOR,
+        config_file_name,
+        fused_moe,
+        pick_config,
+    )
     from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 
     dtype = getattr(torch, args.dtype)
     e, k, h, i = args.experts, args.top_k, args.hidden, args.intermediate
-    fp8, block = args.quant != "none", quant_block(args.quant)
+    fp8, block, int4 = args.quant.startswith("fp8"), quant_block(args.quant), args.quant == "int4"
     elem = 1 if fp8 else torch.empty((), dtype=dtype).element_size()
     device_name = torch.cuda.get_device_name()
     print(run_header(device_name), flush=True)
@@ -232,9 +267,9 @@ def tune(args: argparse.Namespace) -> int:
     def timed(cfg, m: int) -> float:
         return _time(cfg, w13, w2, inputs[m], quant)
 
-    defaults = {m: pick_config(m, e, i, h, dtype, top_k=k, fp8=fp8, block_shape=block) for m in ms}
-    tiles = {m: [c for c in tile_candidates(m, e, k, elem, block and block[1]) if not fp8 or c.BLOCK_K >= 64]
-             for m in ms}
+    defaults = {m: pick_config(m, e, i, h, dtype, top_k=k, **pick_kwargs(args.quant)) for m in ms}
+    tiles = {m: [c for c in tile_candidates(m, e, k, elem, block and block[1])
+                 if (not fp8 or c.BLOCK_K >= 64) and (not int4 or 64 <= c.BLOCK_K <= INT4_GROUP)] for m in ms}
     compiler = Compiler(args)
     try:
         compiler.compile([(c, m) for m in ms for c in (defaults[m], *tiles[m])])
@@ -256,7 +291,7 @@ def tune(args: argparse.Namespace) -> int:
         rows.append((m, best, times[best], t_default[m]))
         print(f"  M {m}: {times[best] * 1e3:.1f} us with {best} ({len(times)} timed; "
               f"default {t_default[m] * 1e3:.1f} us)", flush=True)
-    name = config_file_name(e, i, device_name, FP8_SELECTOR if fp8 else None, block)
+    name = config_file_name(e, i, device_name, FP8_SELECTOR if fp8 else INT4_SELECTOR if int4 else None, block)
     os.makedirs(args.out_dir, exist_ok=True)
     path = os.path.join(args.out_dir, name)
     table = {str(m): {"BLOCK_SIZE_M": c.BLOCK_M, "BLOCK_SIZE_N": c.BLOCK_N, "BLOCK_SIZE_K": c.BLOCK_K,

@@ -98,9 +98,9 @@ def _param_for(proj: str) -> str:
     return "w2" if proj == "down" else "w13"
 
 
-# what a per-expert tensor's name ends with: the weight, or an fp8 checkpoint's scales (the parameter
-# ``w13`` / ``w2`` gets ``_<suffix>`` for a scale: ``w13_weight_scale_inv``)
-EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "weight_scale")
+# what a per-expert tensor's name ends with: the weight, an fp8 checkpoint's scales, or an int4 one's
+# packed tensors (the parameter ``w13`` / ``w2`` gets ``_<suffix>``: ``w13_weight_scale_inv``, ``w2_qzeros``)
+EXPERT_SUFFIXES = ("weight", "weight_scale_inv", "weight_scale", "qweight", "qzeros", "scales", "g_idx")
 
 
 def expert_param_name(base: str, suffix: str = "weight") -> str:

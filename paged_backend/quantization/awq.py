@@ -16,8 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from paged_backend.quantization.base import QuantizationConfig, quant_param, replace_param
+from paged_backend.quantization.base import (
+    MoEMethod,
+    QuantizationConfig,
+    experts_ignored,
+    quant_param,
+    replace_param,
+)
 from paged_backend.quantization.int4 import (
+    AWQ_ORDER,
     Int4LinearMethod,
     check_int4_config,
     dummy_scales,
@@ -26,8 +33,7 @@ from paged_backend.quantization.int4 import (
     random_int32,
     unpack_int32_cols,
 )
-
-AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+from paged_backend.quantization.int4_moe import Int4MoEMethod
 
 
 class AWQConfig(QuantizationConfig):
@@ -51,6 +57,13 @@ class AWQConfig(QuantizationConfig):
         if prefix == "lm_head" or any(m in name for m in self.modules_to_not_convert for name in shard_names):
             return None
         return AWQLinearMethod(self.group_size, prefix)
+
+    def get_moe_method(self, prefix: str, expert_names: Sequence[str]) -> MoEMethod | None:
+        """int4 experts through the fused-MoE kernel (``int4_moe.py``), unless ``modules_to_not_convert``
+        leaves them out."""
+        if experts_ignored(expert_names, lambda name: any(m in name for m in self.modules_to_not_convert)):
+            return None
+        return Int4MoEMethod("awq", self.group_size, prefix, expert_names)
 
 
 class AWQLinearMethod(Int4LinearMethod):

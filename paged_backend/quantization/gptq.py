@@ -22,12 +22,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from paged_backend.quantization.base import (
+    MoEMethod,
     QuantizationConfig,
     is_row_parallel,
     num_shards,
     quant_param,
     replace_param,
     tp_world_size,
+    unsupported_experts,
 )
 from paged_backend.quantization.int4 import (
     Int4LinearMethod,
@@ -42,6 +44,7 @@ from paged_backend.quantization.int4 import (
     shared_g_idx,
     unpack_int32_cols,
 )
+from paged_backend.quantization.int4_moe import Int4MoEMethod
 
 # checkpoint_format -> what to add to the stored zero points
 _ZERO_OFFSET = {"gptq": 1, "gptq_v2": 0}
@@ -77,6 +80,16 @@ class GPTQConfig(QuantizationConfig):
             return None
         return GPTQLinearMethod(self.group_size, _ZERO_OFFSET[self.checkpoint_format], prefix, self.desc_act,
                                 self.bits)
+
+    def get_moe_method(self, prefix: str, expert_names: Sequence[str]) -> MoEMethod:
+        """4-bit experts without act-order through the fused-MoE kernel (``int4_moe.py``)."""
+        if self.bits != 4:
+            raise ValueError(unsupported_experts(expert_names, f"{self.bits}-bit gptq experts are not supported "
+                                                              "(4-bit experts are)"))
+        if self.desc_act:
+            raise ValueError(unsupported_experts(expert_names, "gptq experts with act-order (desc_act: true) are "
+                                                              "not supported (each expert would permute its inputs)"))
+        return Int4MoEMethod("gptq", self.group_size, prefix, expert_names, _ZERO_OFFSET[self.checkpoint_format])
 
 
 class GPTQLinearMethod(Int4LinearMethod):

@@ -18,6 +18,7 @@ from paged_backend.kernels.int4_gemm_ref import compact_scales, int4_gemm_ref, p
 from paged_backend.quantization.base import LinearMethod, is_row_parallel, tp_world_size
 
 SUPPORTED_GROUP_SIZES = (-1, 32, 64, 128)
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # AWQ packs 8 output columns a word: nibble i holds column 8c + AWQ_ORDER[i]
 KERNELS = ("auto", "torch", "triton")
 # RMS of (q - 8) for q uniform in 0..15: sqrt(mean of v^2 for v in -8..7) = sqrt(21.5)
 _INT4_RMS = 21.5**0.5

@@ -275,4 +275,6 @@ def test_compiled_qwen3_moe_shaped(m, dtype, block):
     scales = dict(w13_scale=s13.cuda(), w2_scale=s2.cuda(), block_shape=block)
     got = fused_moe(*dev, **scales)
     want = fused_moe_ref(*dev, **scales)
-    assert _rel(got.cpu(), want.cpu()) < {torch.float32: 2e-3, torch.float16: 5e-3, torch.bfloat16: 2e-2}[dtype]
+    # 16-bit activations run the FP8 tensor cores, whose ~14-bit running sums (as vLLM's kernel) move a row
+    # by ~1e-2; fp32 activations take exact fp16 MMAs (``fp8_dot_dtype``)
+    assert _rel(got.cpu(), want.cpu()) < {torch.float32: 2e-3, torch.float16: 2e-2, torch.bfloat16: 2e-2}[dtype]
