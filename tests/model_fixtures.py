@@ -59,7 +59,8 @@ def hf_classes(arch: str) -> tuple[type, type]:
                   "Qwen2ForCausalLM": "Qwen2Config", "Qwen3ForCausalLM": "Qwen3Config",
                   "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
                   "GlmForCausalLM": "GlmConfig", "Glm4ForCausalLM": "Glm4Config",
-                  "Glm4MoeForCausalLM": "Glm4MoeConfig"}[arch]
+                  "Glm4MoeForCausalLM": "Glm4MoeConfig", "DeepseekV2ForCausalLM": "DeepseekV2Config",
+                  "DeepseekV3ForCausalLM": "DeepseekV3Config"}[arch]
     return getattr(transformers, config_cls), getattr(transformers, arch)
 
 

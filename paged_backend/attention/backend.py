@@ -66,3 +66,16 @@ class AttentionBackend(Protocol):
         q_scaled: bool = False,  # query carries ``query_scale``'s factor
     ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of query
         ...
+
+    def forward_mla(
+        self,
+        query: torch.Tensor,  # [T, num_heads, D]: absorbed q_nope | roped q_pe (models/mla.py)
+        latent: torch.Tensor,  # [T, D]: normed c | roped k_pe
+        kv_cache: torch.Tensor,  # [num_blocks, block_size, D] (the latent layout of attention/kv_cache_spec.py)
+        meta: AttentionMetadata,
+        scale: float,
+        v_dim: int,  # the value: the latent's first v_dim dims (kv_lora_rank)
+        kv_scale: torch.Tensor,  # float32 scalar (1.0 unless the cache is fp8)
+    ) -> torch.Tensor:  # [T, num_heads, v_dim], dtype of query
+        """Multi-head latent attention: writes ``latent`` into the cache, then attends (kernels/mla_attention_ref.py)."""
+        ...

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE, write_kv_cache_ref
+from paged_backend.kernels.mla_attention_ref import mla_forward_ref
 from paged_backend.kernels.paged_attention_ref import attend_request
 
 
@@ -198,6 +199,11 @@ def _row_keys(lens: list[int], table: list[list[int]], bs: int, shift: int) -> l
 
 class TorchAttentionBackend:
     name = "torch"
+
+    def forward_mla(self, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
+                    scale: float, v_dim: int, kv_scale: torch.Tensor) -> torch.Tensor:
+        """Multi-head latent attention through its torch reference (``AttentionBackend.forward_mla``)."""
+        return mla_forward_ref(query, latent, kv_cache, meta, scale, v_dim, kv_scale)
 
     def __init__(self) -> None:
         self._gen = 0  # generation of the decode-row copies (one per step that has decode rows)

@@ -19,7 +19,12 @@ from torch import nn
 from paged_backend.kernels.activation_ref import silu_and_mul_ref
 from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 from paged_backend.kernels.rms_norm_ref import rms_norm_ref
-from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
+from paged_backend.kernels.rotary_ref import (
+    rope_attention_factor,
+    rope_cos_sin_cache,
+    rope_inv_freq,
+    rotary_ref,
+)
 
 if TYPE_CHECKING:
     from paged_backend.models.linear_method import LinearMethod
@@ -200,7 +205,8 @@ class RotaryEmbedding(nn.Module):
         with torch.device("cpu"):  # inverse frequencies on the CPU, as HF computes them
             inv_freq = rope_inv_freq(self.rotary_dim, self.theta, self.scaling)
         with torch.device(device):
-            self.cos_sin_cache.copy_(rope_cos_sin_cache(inv_freq.to(device), self.max_positions))
+            self.cos_sin_cache.copy_(rope_cos_sin_cache(inv_freq.to(device), self.max_positions,
+                                                        rope_attention_factor(self.scaling)))
 
     def forward(
         self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_scale: float | None = None

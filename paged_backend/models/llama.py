@@ -1,4 +1,5 @@
-"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, GLM-4 and the MoE kin) over a paged KV cache.
+"""The Llama-family decoder (Llama, SmolLM, Mistral, Qwen2, Qwen3, GLM-4, DeepSeek-V2/V3 and the MoE kin) over a
+paged KV cache.
 
 vLLM style: the step's tokens are flattened (no batch dim); the attention backend writes
 the new K/V into ``kv_caches[layer]`` and attends through ``meta``'s block tables. The op
@@ -6,6 +7,7 @@ order follows transformers' LlamaModel so fp32 logits agree with HF's.
 
     embed -> [ input_norm(+res) -> attn -> post_attn_norm(+res) -> mlp ] x L -> norm(+res)
     attn:  qkv_proj -> (Qwen3, GLM-4.5: q_norm/k_norm per head) -> rope -> backend -> o_proj
+           (DeepSeek: multi-head latent attention over a latent cache, models/mla.py)
     mlp:   LlamaMLP, or SparseMoeBlock on routed layers (router -> experts; + shared experts, GLM-4.5)
     GLM-4-0414: attn -> post_self_attn_norm and mlp -> post_mlp_norm before their residual adds
     rope:  neox halves, or interleaved pairs (GLM, GLM-4); the first rotary_dim dims (partial: the GLMs)
@@ -32,6 +34,7 @@ from paged_backend.models.layers import (
     RotaryEmbedding,
     reference_ops,
 )
+from paged_backend.models.mla import MLAAttention
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.moe import SparseMoeBlock
 from paged_backend.models.parallel import (
@@ -231,7 +234,8 @@ class LlamaDecoderLayer(nn.Module):
         tp: TPGroup | None = None,
     ) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(info, layer_idx, rotary_emb, attn_backend, dtype, ops, tp)
+        attention = MLAAttention if info.mla is not None else LlamaAttention  # DeepSeek: latent attention
+        self.self_attn = attention(info, layer_idx, rotary_emb, attn_backend, dtype, ops, tp)
         self.mlp: nn.Module
         if info.moe_layers and info.moe_layers[layer_idx]:
             assert info.routing is not None

@@ -14,15 +14,17 @@ from typing import Any
 
 import torch
 
+from paged_backend.kernels.rotary_ref import yarn_mscale
 from paged_backend.models.moe_routing import RoutingConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-                           "Glm4MoeForCausalLM")
+                           "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                       "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM"}
+                       "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
+                       "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 _MISTRAL_ATTENTION = ("MistralForCausalLM", "MixtralForCausalLM")  # no attention bias, a window on every layer
 _QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q/k norm
 _GLM4_MOE = "Glm4MoeForCausalLM"  # q/k/v bias (o_proj none), q/k norm if use_qk_norm, partial rotary
@@ -30,9 +32,36 @@ _GLM4_MOE = "Glm4MoeForCausalLM"  # q/k/v bias (o_proj none), q/k norm if use_qk
 # partial interleaved rotary, gate|up stored as one tensor
 _GLM_DENSE = ("GlmForCausalLM", "Glm4ForCausalLM")
 _GLM = (*_GLM_DENSE, _GLM4_MOE)
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# multi-head latent attention (models/mla.py), interleaved rotary on the rope dims, routed + shared experts
+# after the first first_k_dense_replace dense layers
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+_SHARED_EXPERT_MOE = (_GLM4_MOE, *_DEEPSEEK)
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
            "bfloat16": torch.bfloat16}
+
+
+@dataclass(frozen=True)
+class MLAInfo:
+    """Multi-head latent attention's shapes (DeepSeek-V2/V3): per token one latent of ``kv_lora_rank``
+    (normed) plus one shared rotary key of ``qk_rope_head_dim`` is cached; per head, q and k have
+    ``qk_nope_head_dim`` + ``qk_rope_head_dim`` dims and v ``v_head_dim``."""
+
+    q_lora_rank: int | None  # None: q_proj; else q_a_proj -> q_a_layernorm -> q_b_proj
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # qk_head_dim ** -0.5, times YaRN's mscale(factor, mscale_all_dim) squared
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        """What one token caches per layer: the latent, then the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
 
 
 @dataclass(frozen=True)
@@ -75,6 +104,7 @@ class ModelInfo:
     sublayer_output_norms: bool = False  # GLM-4-0414: RMSNorm on the attention and MLP outputs before each residual add
     fused_gate_up_checkpoint: bool = False  # GLM, GLM-4: the checkpoint stores mlp.gate_up_proj (gate rows, then up)
     num_mtp_layers: int = 0  # multi-token-prediction layers stored after the decoder's (not run)
+    mla: MLAInfo | None = None  # DeepSeek: multi-head latent attention (head_dim is then its q/k head dim)
 
     @property
     def rope_dim(self) -> int:
@@ -116,11 +146,12 @@ class ModelInfo:
         if act != "silu":
             raise ValueError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
         theta, scaling = _rope(cfg, source)
+        mla = _mla(cfg, scaling, source) if arch in _DEEPSEEK else None
         qwen2 = model_type == "qwen2" or arch == "Qwen2ForCausalLM"
         mistral = arch in _MISTRAL_ATTENTION
         glm = arch in _GLM
         attn_bias = bool(cfg.get("attention_bias", arch in _GLM_DENSE)) and not mistral  # transformers' defaults
-        head_dim = int(cfg.get("head_dim") or hidden // heads)
+        head_dim = mla.qk_head_dim if mla else int(cfg.get("head_dim") or hidden // heads)
         windows = _layer_windows(cfg, arch, num_layers)
         used = [w for w in windows if w is not None]
         return cls(
@@ -148,11 +179,12 @@ class ModelInfo:
             eos_token_ids=_eos_ids(cfg.get("eos_token_id"), gen.get("eos_token_id")),
             bos_token_id=next((b for b in (cfg.get("bos_token_id"), gen.get("bos_token_id")) if b is not None), None),
             quantization_config=cfg.get("quantization_config") or None,
-            rotary_dim=_rotary_dim(cfg, arch, head_dim, source),
-            rope_interleaved=arch in _GLM_DENSE,
+            rotary_dim=mla.qk_rope_head_dim if mla else _rotary_dim(cfg, arch, head_dim, source),
+            rope_interleaved=arch in _GLM_DENSE or mla is not None,
             sublayer_output_norms=arch == "Glm4ForCausalLM",
             fused_gate_up_checkpoint=arch in _GLM_DENSE,
-            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if arch == _GLM4_MOE else 0,
+            num_mtp_layers=int(cfg.get("num_nextn_predict_layers") or 0) if arch in _SHARED_EXPERT_MOE else 0,
+            mla=mla,
             **_moe_fields(cfg, arch, num_layers, intermediate, source),
         )
 
@@ -171,8 +203,26 @@ def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
     return data
 
 
+def _mla(cfg: dict[str, Any], scaling: dict[str, Any] | None, source: str) -> MLAInfo:
+    """DeepSeek's attention shapes, and its softmax scale with YaRN's mscale_all_dim correction."""
+    try:
+        nope, rope, v, kv_lora = (int(cfg[k]) for k in ("qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim",
+                                                        "kv_lora_rank"))
+    except KeyError as e:
+        raise ValueError(f"{source}: missing required key {e.args[0]!r}") from None
+    if rope % 2 or min(nope, rope, v, kv_lora) <= 0:
+        raise ValueError(f"{source}: MLA dims must be positive and qk_rope_head_dim even, got qk_nope_head_dim "
+                         f"{nope}, qk_rope_head_dim {rope}, v_head_dim {v}, kv_lora_rank {kv_lora}")
+    scale = (nope + rope) ** -0.5
+    if scaling and scaling["rope_type"] == "yarn" and scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(scaling["factor"]), float(scaling["mscale_all_dim"])) ** 2
+    q_lora = cfg.get("q_lora_rank")
+    return MLAInfo(None if q_lora is None else int(q_lora), kv_lora, nope, rope, v, scale)
+
+
 def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | None]:
-    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``."""
+    """(theta, scaling) from ``rope_parameters`` (transformers 5) or ``rope_theta``/``rope_scaling``;
+    YaRN without ``factor`` takes max_position_embeddings / original_max_position_embeddings."""
     params = dict(cfg.get("rope_parameters") or {})
     legacy = dict(cfg.get("rope_scaling") or {})
     theta = float(params.pop("rope_theta", cfg.get("rope_theta", legacy.pop("rope_theta", 10000.0))))
@@ -185,6 +235,12 @@ def _rope(cfg: dict[str, Any], source: str) -> tuple[float, dict[str, Any] | Non
         return theta, None
     scaling = {k: v for k, v in scaling.items() if k != "type"}
     scaling["rope_type"] = rope_type
+    if rope_type == "yarn":
+        if "original_max_position_embeddings" not in scaling:
+            raise ValueError(f"{source}: yarn rope scaling needs original_max_position_embeddings")
+        if scaling.get("factor") is None:
+            scaling["factor"] = float(cfg.get("max_position_embeddings", 2048)) / float(
+                scaling["original_max_position_embeddings"])
     return theta, scaling
 
 
@@ -217,7 +273,7 @@ def _layer_windows(cfg: dict[str, Any], arch: str, num_layers: int) -> list[int 
 
 def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: int, source: str) -> dict[str, Any]:
     """The mixture-of-experts fields: which layers route, to how many experts of what size."""
-    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", _GLM4_MOE):
+    if arch not in ("Qwen3MoeForCausalLM", "MixtralForCausalLM", *_SHARED_EXPERT_MOE):
         return {}
     try:
         routing = RoutingConfig.from_hf_config(cfg)
@@ -232,7 +288,10 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: i
         raise ValueError(f"{source}: missing required key 'moe_intermediate_size'") from None
     fields = dict(num_experts=routing.num_experts, num_experts_per_tok=routing.num_experts_per_tok,
                   moe_intermediate_size=size, routing=routing)
-    if arch == _GLM4_MOE:  # the first first_k_dense_replace layers dense; shared experts beside the routed
+    if arch in _SHARED_EXPERT_MOE:  # the first first_k_dense_replace layers dense; shared experts beside the routed
+        if int(cfg.get("moe_layer_freq") or 1) != 1:
+            raise ValueError(f"{source}: moe_layer_freq {cfg['moe_layer_freq']} is not supported (every layer from "
+                             "first_k_dense_replace on routes, as transformers runs it)")
         first, shared = (int(1 if cfg.get(k) is None else cfg[k]) for k in ("first_k_dense_replace", "n_shared_experts"))
         return dict(fields, moe_layers=tuple(i >= first for i in range(num_layers)),
                     shared_expert_intermediate_size=size * shared)

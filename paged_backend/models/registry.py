@@ -21,6 +21,8 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "GlmForCausalLM": LlamaForCausalLM,  # partial interleaved rotary, q/k/v bias, gate|up fused in the checkpoint
     "Glm4ForCausalLM": LlamaForCausalLM,  # a GLM with norms on the attention and MLP outputs
     "Glm4MoeForCausalLM": LlamaForCausalLM,  # routed + shared experts after dense layers, partial rotary
+    "DeepseekV2ForCausalLM": LlamaForCausalLM,  # latent attention (models/mla.py), routed + shared experts
+    "DeepseekV3ForCausalLM": LlamaForCausalLM,  # V2 + a low-rank q, sigmoid noaux_tc routing
 }
 
 

@@ -74,6 +74,8 @@ def checkpoint_names(param_name: str, info: ModelInfo) -> list[str]:
         style = FAMILY_EXPERT_LAYOUTS[info.model_type][0]
         return [n for n, p, _ in checkpoint_expert_names(prefix, info.num_experts, style, suffix)
                 if p == f"{base}_{suffix}"]
+    if info.mla is not None and ".self_attn." in param_name:
+        return [param_name]
     names = [param_name.replace(fused, orig) for fused, orig, _ in STACKED_PARAMS if fused in param_name]
     if param_name.endswith(_CORRECTION_BIAS[1]):
         names = [param_name.replace(_CORRECTION_BIAS[1], _CORRECTION_BIAS[0])]
@@ -117,6 +119,8 @@ def _target(info: ModelInfo, name: str) -> tuple[str, object]:
         name = name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's router
         if name.endswith(_CORRECTION_BIAS[0]):  # the router's bias is FusedMoE's (it only selects)
             return name.replace(*_CORRECTION_BIAS), None
+    if info.mla is not None and ".self_attn." in name:  # latent attention: its own modules, none fused
+        return name, None
     for fused, orig, shard_id in STACKED_PARAMS:
         if orig in name:
             return name.replace(orig, fused), shard_id

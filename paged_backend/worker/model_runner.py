@@ -61,9 +61,13 @@ class ModelRunner:
         self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
         if config.fp8_kv:
             self._setup_kv_scales()
-        # every layer's cache layout (attention/kv_cache_spec.py): per-head K/V for every family today
-        self.kv_specs = [KVCacheSpec(self.block_size, self.kv_dtype, self.num_kv_heads, info.head_dim)
-                         for _ in range(info.num_layers)]
+        # every layer's cache layout (attention/kv_cache_spec.py): per-head K/V, or DeepSeek's latent (whole on
+        # every rank)
+        if info.mla is not None:
+            spec = KVCacheSpec(self.block_size, self.kv_dtype, latent_dim=info.mla.latent_dim)
+        else:
+            spec = KVCacheSpec(self.block_size, self.kv_dtype, self.num_kv_heads, info.head_dim)
+        self.kv_specs = [spec] * info.num_layers
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         self.limits = resolve_limits(config, info.max_position_embeddings, device)
@@ -176,7 +180,7 @@ class ModelRunner:
         """Compile the attention kernel variants any step can need now, not on the step that first
         needs one (a stall of seconds: a server's first request of a new shape)."""
         warm = getattr(self.attn_backend, "warm_up", None)
-        if warm is None or not self.kv_caches:
+        if warm is None or not self.kv_caches or self.kv_specs[0].is_latent:  # latent attention: no kernel yet
             return
         t0 = time.perf_counter()
         heads = local_heads(self.info, self.tp)[0]
@@ -256,7 +260,8 @@ class ModelRunner:
     def _graphs_wanted(self) -> bool:
         cfg = self.config
         return (self.device.type == "cuda" and not cfg.enforce_eager and self.attn_backend.name == "triton"
-                and (self.tp is None or self.tp.world_size == 1))
+                and (self.tp is None or self.tp.world_size == 1)
+                and self.info.mla is None)  # latent attention's torch reference loops on the host
 
     def _graphs_usable(self) -> bool:
         """Not while an fp8 KV scale still waits for the first batch (the graphs skip that branch)."""

@@ -139,11 +139,13 @@ def test_model_info_errors(tmp_path):
     nokey = _write_config(tmp_path / "nokey", {"architectures": ["LlamaForCausalLM"], "hidden_size": 64})
     with pytest.raises(ValueError, match="missing required key 'num_attention_heads'"):
         ModelInfo.from_dir(nokey)
-    yarn = _write_config(tmp_path / "yarn", {"architectures": ["LlamaForCausalLM"], "hidden_size": 64,
-                                              "num_attention_heads": 4, "num_hidden_layers": 1,
-                                              "intermediate_size": 8, "vocab_size": 8,
-                                              "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
-    with pytest.raises(ValueError, match="rope type 'yarn' is not supported"):
+    base = {"architectures": ["LlamaForCausalLM"], "hidden_size": 64, "num_attention_heads": 4, "num_hidden_layers": 1,
+            "intermediate_size": 8, "vocab_size": 8}
+    longrope = _write_config(tmp_path / "longrope", {**base, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
+    with pytest.raises(ValueError, match="rope type 'longrope' is not supported"):
+        ModelInfo.from_dir(longrope)
+    yarn = _write_config(tmp_path / "yarn", {**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+    with pytest.raises(ValueError, match="yarn rope scaling needs original_max_position_embeddings"):
         ModelInfo.from_dir(yarn)
 
 

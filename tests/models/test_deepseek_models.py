@@ -1,0 +1,153 @@
+"""DeepSeek-V2 and DeepSeek-V3 end to end: tiny random checkpoints saved by transformers itself, multi-head latent
+attention over the paged latent cache (``models/mla.py``), YaRN rotary with its mscale corrections, routed and
+shared experts after a dense first layer; the engine's greedy tokens equal transformers' ``generate`` in fp32
+whatever the batching, chunking, prefix caching, preemption or tensor parallelism."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from family_fixtures import (
+    SCHEDULES,
+    check_greedy_equals_transformers,
+    check_prefix_cache_and_preemption,
+    check_tensor_parallel_2,
+    hf_greedy,
+    scale_routers,
+    tiny_llm,
+)
+from model_fixtures import make_tiny_checkpoint
+from paged_backend.kernels.mla_attention_ref import mla_attention_ref, write_latent_cache_ref
+from paged_backend.kernels.rotary_ref import yarn_mscale
+
+from paged_backend.models.mla import MLAAttention
+from paged_backend.models.model_info import ModelInfo
+
+pytestmark = pytest.mark.slow
+
+YARN = dict(rope_type="yarn", factor=4.0, mscale=1.0, mscale_all_dim=0.8, beta_fast=32, beta_slow=1,
+            original_max_position_embeddings=128, rope_theta=10000.0)
+MLA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16,
+           qk_rope_head_dim=8, head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+           moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, num_hidden_layers=3,
+           intermediate_size=96, rope_parameters=YARN)
+FAMILIES = {
+    # V2-Lite's layout: no q compression, softmax greedy top-k without renormalisation
+    "deepseek_v2": ("DeepseekV2ForCausalLM", dict(MLA, q_lora_rank=None, topk_method="greedy", n_group=1,
+                                                  topk_group=1, norm_topk_prob=False, routed_scaling_factor=1.0)),
+    # V2's grouped routing
+    "deepseek_v2_grouped": ("DeepseekV2ForCausalLM", dict(MLA, q_lora_rank=None, topk_method="group_limited_greedy",
+                                                          n_group=2, topk_group=1, norm_topk_prob=False,
+                                                          routed_scaling_factor=1.5)),
+    # V3: a low-rank q through q_a_layernorm, sigmoid noaux_tc routing over 2 groups, renormalised and scaled
+    "deepseek_v3": ("DeepseekV3ForCausalLM", dict(MLA, q_lora_rank=24, n_group=2, topk_group=1,
+                                                  routed_scaling_factor=2.5, norm_topk_prob=True)),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[Path, list[list[int]]]:
+    arch, overrides = FAMILIES[request.param]
+    path = make_tiny_checkpoint(tmp_path_factory.mktemp(request.param), arch, **overrides)
+    scale_routers(path)
+    return path, hf_greedy(path)
+
+
+def test_model_info_reads_the_latent_attention(family) -> None:
+    path, _ = family
+    cfg = json.loads((path / "config.json").read_text())
+    info = ModelInfo.from_dir(path)
+    mla = info.mla
+    assert mla is not None and (mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim) == (
+        32, 16, 8, 16)
+    assert mla.q_lora_rank == cfg.get("q_lora_rank") and mla.latent_dim == 40
+    assert info.head_dim == 24 and info.rope_dim == 8 and info.rope_interleaved
+    assert info.rope_scaling["rope_type"] == "yarn" and info.rope_scaling["factor"] == 4.0
+    assert math.isclose(mla.softmax_scale, 24**-0.5 * yarn_mscale(4.0, 0.8) ** 2)
+    assert info.moe_layers == (False, True, True) and info.shared_expert_intermediate_size == 32
+
+
+def test_the_cache_holds_one_latent_per_token(family) -> None:
+    """Every layer's cache is [blocks, block_size, 40]: the 32-wide latent and the 8-wide rotary key, ~1/10 of a
+    4-head K/V cache of 24-wide heads (2 * 4 * 24 = 192 values a token)."""
+    path, _ = family
+    llm = tiny_llm(path)
+    runner = llm.engine.runner
+    assert all(s.is_latent and s.latent_dim == 40 and s.values_per_token == 40 for s in runner.kv_specs)
+    assert all(c.shape[1:] == (runner.block_size, 40) for c in runner.kv_caches)
+    assert isinstance(runner.model.model.layers[0].self_attn, MLAAttention)
+
+
+@pytest.mark.parametrize("kw", SCHEDULES.values(), ids=SCHEDULES.keys())
+def test_greedy_equals_transformers(family, kw) -> None:
+    check_greedy_equals_transformers(*family, **kw)
+
+
+def test_prefix_cache_and_preemption_keep_the_tokens(family) -> None:
+    check_prefix_cache_and_preemption(*family)
+
+
+def test_tensor_parallel_2_equals_1(family) -> None:
+    """Two heads per rank (q / kv_b column-parallel, o row-parallel), the latent cache whole on both ranks."""
+    check_tensor_parallel_2(*family)
+
+
+# -- the latent attention reference -------------------------------------------------------------------------
+
+
+def _decompressed(q_nope, q_pe, c, k_pe, w_uk, w_uv, scale):
+    """transformers' form for one causal sequence: per head k = [W_UK c | k_pe], v = W_UV c, float64."""
+    k_nope = torch.einsum("hnl,tl->thn", w_uk, c)
+    v = torch.einsum("hvl,tl->thv", w_uv, c)
+    k = torch.cat([k_nope, k_pe[:, None].expand(-1, w_uk.shape[0], -1)], -1)
+    q = torch.cat([q_nope, q_pe], -1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    n = q.shape[0]
+    scores = scores.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khv->qhv", scores.softmax(-1), v)
+
+
+def test_absorbed_attention_over_the_paged_latents_equals_the_decompressed_form() -> None:
+    """Two requests in scattered blocks (one a prefill chunk after 5 cached tokens, one decoding): the absorbed
+    query against the cached latents, then W_UV, equals attention over the decompressed per-head K and V."""
+    gen = torch.Generator().manual_seed(0)
+    h, nope, rope, lora, v_dim, bs = 3, 8, 4, 16, 8, 4
+    w_uk = torch.randn(h, nope, lora, generator=gen, dtype=torch.float64)
+    w_uv = torch.randn(h, v_dim, lora, generator=gen, dtype=torch.float64)
+    lens, new = [9, 6], [4, 1]
+    tables = torch.tensor([[7, 2, 5], [3, 1, 0]], dtype=torch.int32)
+    cache = torch.full((8, bs, lora + rope), float("nan"), dtype=torch.float64)
+    seqs = []
+    for i, n in enumerate(lens):
+        c = torch.randn(n, lora, generator=gen, dtype=torch.float64)
+        k_pe = torch.randn(n, rope, generator=gen, dtype=torch.float64)
+        slots = torch.tensor([int(tables[i, p // bs]) * bs + p % bs for p in range(n)])
+        write_latent_cache_ref(torch.cat([c, k_pe], -1), cache, slots)
+        q_nope = torch.randn(n, h, nope, generator=gen, dtype=torch.float64)
+        q_pe = torch.randn(n, h, rope, generator=gen, dtype=torch.float64)
+        seqs.append((c, k_pe, q_nope, q_pe))
+    rows = [torch.cat([torch.einsum("thn,hnl->thl", qn, w_uk), qp], -1)[-k:] for (_, _, qn, qp), k in
+            zip(seqs, new, strict=True)]
+    out = mla_attention_ref(torch.cat(rows), cache, tables, torch.tensor(lens, dtype=torch.int32),
+                            torch.tensor([0, 4, 5], dtype=torch.int32), 0.3, lora)
+    got = torch.einsum("thl,hvl->thv", out, w_uv)
+    want = torch.cat([_decompressed(qn, qp, c, kp, w_uk, w_uv, 0.3)[-k:] for (c, kp, qn, qp), k in
+                      zip(seqs, new, strict=True)])
+    assert torch.allclose(got, want, atol=1e-5, rtol=1e-5)  # the reference computes in float32
+
+
+def test_an_fp8_latent_cache_stores_the_scaled_values() -> None:
+    from paged_backend.kernels.fp8_types import FP8_DTYPE
+
+    latent = torch.randn(5, 12, generator=torch.Generator().manual_seed(1))
+    cache = torch.zeros(2, 4, 12, dtype=FP8_DTYPE)
+    scale = torch.tensor(0.01)
+    write_latent_cache_ref(latent, cache, torch.tensor([0, 1, -1, 5, 6]), scale)
+    flat = cache.view(-1, 12).float() * scale
+    keep = [0, 1, 3, 4]
+    assert torch.allclose(flat[[0, 1, 5, 6]], latent[keep], rtol=0.07, atol=1e-3)
+    assert torch.equal(flat[2], torch.zeros(12))  # the -1 slot wrote nothing
