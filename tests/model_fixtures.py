@@ -60,7 +60,7 @@ def hf_classes(arch: str) -> tuple[type, type]:
                   "Qwen3MoeForCausalLM": "Qwen3MoeConfig", "MixtralForCausalLM": "MixtralConfig",
                   "GlmForCausalLM": "GlmConfig", "Glm4ForCausalLM": "Glm4Config",
                   "Glm4MoeForCausalLM": "Glm4MoeConfig", "DeepseekV2ForCausalLM": "DeepseekV2Config",
-                  "DeepseekV3ForCausalLM": "DeepseekV3Config"}[arch]
+                  "DeepseekV3ForCausalLM": "DeepseekV3Config", "Glm4MoeLiteForCausalLM": "Glm4MoeLiteConfig"}[arch]
     return getattr(transformers, config_cls), getattr(transformers, arch)
 
 

@@ -19,12 +19,14 @@ from paged_backend.models.moe_routing import RoutingConfig
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
                            "Qwen3MoeForCausalLM", "MixtralForCausalLM", "GlmForCausalLM", "Glm4ForCausalLM",
-                           "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+                           "Glm4MoeForCausalLM", "DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM",
+                           "Glm4MoeLiteForCausalLM")
 _ARCH_BY_MODEL_TYPE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM",
                        "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
                        "qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM",
                        "glm": "GlmForCausalLM", "glm4": "Glm4ForCausalLM", "glm4_moe": "Glm4MoeForCausalLM",
-                       "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                       "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                       "glm4_moe_lite": "Glm4MoeLiteForCausalLM"}
 _MISTRAL_ATTENTION = ("MistralForCausalLM", "MixtralForCausalLM")  # no attention bias, a window on every layer
 _QWEN3_ATTENTION = ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM")  # q/k norm
 _GLM4_MOE = "Glm4MoeForCausalLM"  # q/k/v bias (o_proj none), q/k norm if use_qk_norm, partial rotary
@@ -34,7 +36,8 @@ _GLM_DENSE = ("GlmForCausalLM", "Glm4ForCausalLM")
 _GLM = (*_GLM_DENSE, _GLM4_MOE)
 # multi-head latent attention (models/mla.py), interleaved rotary on the rope dims, routed + shared experts
 # after the first first_k_dense_replace dense layers
-_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM")
+# (GLM-4.7-Flash, Glm4MoeLiteForCausalLM: DeepSeek-V3's layout, its dense / sparse layers listed in mlp_layer_types)
+_DEEPSEEK = ("DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeLiteForCausalLM")
 _SHARED_EXPERT_MOE = (_GLM4_MOE, *_DEEPSEEK)
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 _DTYPES = {"float32": torch.float32, "float": torch.float32, "float16": torch.float16, "half": torch.float16,
@@ -293,8 +296,14 @@ def _moe_fields(cfg: dict[str, Any], arch: str, num_layers: int, intermediate: i
             raise ValueError(f"{source}: moe_layer_freq {cfg['moe_layer_freq']} is not supported (every layer from "
                              "first_k_dense_replace on routes, as transformers runs it)")
         first, shared = (int(1 if cfg.get(k) is None else cfg[k]) for k in ("first_k_dense_replace", "n_shared_experts"))
-        return dict(fields, moe_layers=tuple(i >= first for i in range(num_layers)),
-                    shared_expert_intermediate_size=size * shared)
+        layers = tuple(i >= first for i in range(num_layers))
+        types = cfg.get("mlp_layer_types")
+        if types is not None:  # GLM-4.7-Flash: "dense" / "sparse" per layer
+            if len(types) != num_layers or set(types) - {"dense", "sparse"}:
+                raise ValueError(f"{source}: mlp_layer_types must give 'dense' or 'sparse' for each of the "
+                                 f"{num_layers} layers, got {types}")
+            layers = tuple(t == "sparse" for t in types)
+        return dict(fields, moe_layers=layers, shared_expert_intermediate_size=size * shared)
     dense = set(cfg.get("mlp_only_layers") or ())
     step = int(cfg.get("decoder_sparse_step") or 1)
     layers = tuple(i not in dense and routing.num_experts > 0 and (i + 1) % step == 0 for i in range(num_layers))

@@ -83,6 +83,7 @@ FAMILY_EXPERT_LAYOUTS: dict[str, tuple[str, ...]] = {
     "qwen3_moe": ("gate_up_down", "stacked"),
     "mixtral": ("w1_w3_w2", "stacked"),
     "glm4_moe": ("gate_up_down", "stacked"),
+    "glm4_moe_lite": ("gate_up_down", "stacked"),
     "deepseek_v2": ("gate_up_down", "stacked"),
     "deepseek_v3": ("gate_up_down", "stacked"),
 }

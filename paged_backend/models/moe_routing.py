@@ -45,6 +45,8 @@ _FAMILY_DEFAULTS: dict[str, dict[str, Any]] = {
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2, "norm_topk_prob": True},
     "glm4_moe": {"num_experts": 128, "num_experts_per_tok": 8, "norm_topk_prob": True, "scoring_func": "sigmoid",
                  "topk_method": "noaux_tc"},
+    "glm4_moe_lite": {"num_experts": 64, "num_experts_per_tok": 4, "norm_topk_prob": True, "scoring_func": "sigmoid",
+                      "topk_method": "noaux_tc", "routed_scaling_factor": 1.8},
     "deepseek_v2": {"num_experts": 64},
     "deepseek_v3": {"num_experts": 256, "num_experts_per_tok": 8, "norm_topk_prob": True, "scoring_func": "sigmoid",
                     "topk_method": "noaux_tc", "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5},

@@ -23,6 +23,7 @@ MODEL_REGISTRY: dict[str, type[nn.Module]] = {
     "Glm4MoeForCausalLM": LlamaForCausalLM,  # routed + shared experts after dense layers, partial rotary
     "DeepseekV2ForCausalLM": LlamaForCausalLM,  # latent attention (models/mla.py), routed + shared experts
     "DeepseekV3ForCausalLM": LlamaForCausalLM,  # V2 + a low-rank q, sigmoid noaux_tc routing
+    "Glm4MoeLiteForCausalLM": LlamaForCausalLM,  # GLM-4.7-Flash: DeepSeek-V3's latent attention and experts
 }
 
 

@@ -1,4 +1,4 @@
-"""DeepSeek-V2 and DeepSeek-V3 end to end: tiny random checkpoints saved by transformers itself, multi-head latent
+"""DeepSeek-V2, DeepSeek-V3 and GLM-4.7-Flash (Glm4MoeLiteForCausalLM) end to end: tiny random checkpoints saved by transformers itself, multi-head latent
 attention over the paged latent cache (``models/mla.py``), YaRN rotary with its mscale corrections, routed and
 shared experts after a dense first layer; the engine's greedy tokens equal transformers' ``generate`` in fp32
 whatever the batching, chunking, prefix caching, preemption or tensor parallelism."""
@@ -46,6 +46,10 @@ FAMILIES = {
     # V3: a low-rank q through q_a_layernorm, sigmoid noaux_tc routing over 2 groups, renormalised and scaled
     "deepseek_v3": ("DeepseekV3ForCausalLM", dict(MLA, q_lora_rank=24, n_group=2, topk_group=1,
                                                   routed_scaling_factor=2.5, norm_topk_prob=True)),
+    # GLM-4.7-Flash: V3's layout, dense / sparse layers from mlp_layer_types
+    "glm4_moe_lite": ("Glm4MoeLiteForCausalLM", dict(MLA, q_lora_rank=24, n_group=2, topk_group=1,
+                                                     routed_scaling_factor=1.8, norm_topk_prob=True,
+                                                     mlp_layer_types=["dense", "sparse", "sparse"])),
 }
 
 
