@@ -356,6 +356,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
         """Loads HF-named tensors through each parameter's ``weight_loader`` (models/weight_loading.py);
         returns the names of the fully loaded parameters and KV-scale buffers."""
-        for m in self.modules():  # packed copies of the old weights (cpu_linear)
+        for m in self.modules():  # copies made from the old weights (cpu_linear's packed ones, MLA's dequantized)
             m.__dict__.pop(_PACKED, None)
+            m.__dict__.pop("_kv_b_dense", None)
         return load_checkpoint_tensors(self, self.info, weights)

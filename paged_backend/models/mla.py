@@ -88,12 +88,21 @@ class MLAAttention(nn.Module):
         self.k_scale.fill_(1.0)
         self.v_scale.fill_(1.0)
 
-    def _absorbed(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(W_UK [H, nope, kv_lora], W_UV [H, v, kv_lora]) of this rank's heads, views of kv_b_proj's weight."""
-        if self.kv_b_proj.linear_method is not None:
-            raise NotImplementedError("MLA with a quantized kv_b_proj is not supported yet")
+    def _absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(W_UK [H, nope, kv_lora], W_UV [H, v, kv_lora]) of this rank's heads: views of kv_b_proj's weight, or
+        of a quantized kv_b_proj's dequantized weight (its method applied to the identity, made once: e4m3
+        activations of one-hot rows are exact, so this is the checkpoint's own dequantized values)."""
         m = self.mla
-        w = self.kv_b_proj.weight.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
+        if self.kv_b_proj.linear_method is None:
+            w = self.kv_b_proj.weight
+        else:
+            w = self.__dict__.get("_kv_b_dense")
+            if w is None or w.dtype != dtype:
+                eye = torch.eye(m.kv_lora_rank, dtype=dtype, device=self.k_scale.device)
+                with torch.no_grad():
+                    w = self.kv_b_proj.linear_method.apply(self.kv_b_proj, eye).t().contiguous()
+                self.__dict__["_kv_b_dense"] = w
+        w = w.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
@@ -115,7 +124,7 @@ class MLAAttention(nn.Module):
             amax = torch.maximum(c.detach().abs().amax(), k_pe.detach().abs().amax()).float()
             self.k_scale.copy_(amax.clamp_min(1e-6) / FP8_MAX)
             self.calibrate_kv_scales = False
-        w_uk, w_uv = self._absorbed()
+        w_uk, w_uv = self._absorbed(q_nope.dtype)
         q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)
         query = torch.cat([q_lat, q_pe], dim=-1)
         latent = torch.cat([c, k_pe.reshape(t, m.qk_rope_head_dim)], dim=-1)

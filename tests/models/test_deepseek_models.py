@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -20,9 +21,12 @@ from family_fixtures import (
     scale_routers,
     tiny_llm,
 )
+from fp8_reference import FollowsTransformers, fake_quant_hf
 from model_fixtures import make_tiny_checkpoint
 from paged_backend.kernels.mla_attention_ref import mla_attention_ref, write_latent_cache_ref
 from paged_backend.kernels.rotary_ref import yarn_mscale
+from quant_fixtures import fp8_moe_quant_config, quantize_fp8_weight, write_quantized_pair
+from safetensors.torch import load_file
 
 from paged_backend.models.mla import MLAAttention
 from paged_backend.models.model_info import ModelInfo
@@ -155,3 +159,58 @@ def test_an_fp8_latent_cache_stores_the_scaled_values() -> None:
     keep = [0, 1, 3, 4]
     assert torch.allclose(flat[[0, 1, 5, 6]], latent[keep], rtol=0.07, atol=1e-3)
     assert torch.equal(flat[2], torch.zeros(12))  # the -1 slot wrote nothing
+
+
+# -- DeepSeek-V3's FP8 checkpoint format ---------------------------------------------------------------------
+
+FP8_BLOCK = (16, 16)  # the tiny model's dims are 16-multiples (DeepSeek-V3 ships 128 x 128)
+_MLA_LINEAR = re.compile(r"^model\.layers\.\d+\.(self_attn\.(q_proj|q_a_proj|q_b_proj|kv_a_proj_with_mqa|kv_b_proj|o_proj)"
+                         r"|mlp\.(shared_experts\.|experts\.\d+\.)?(gate|up|down)_proj)\.weight$")
+
+
+@pytest.fixture(scope="module")
+def fp8_v3(tmp_path_factory) -> tuple[Path, FollowsTransformers]:
+    """DeepSeek-V3 with every attention, MLP and expert linear block-wise e4m3 (``weight_scale_inv`` per 16 x 16
+    block, dynamic activations per token and 16 inputs), routers and norms dense; the expected tokens from
+    transformers on the dequantized weights with every quantized linear's input fake-quantized, except
+    kv_b_proj's: the engine folds kv_b_proj into the query and the output (absorption), so the latent it would
+    read is never quantized."""
+    arch, overrides = FAMILIES["deepseek_v3"]
+    root = tmp_path_factory.mktemp("deepseek_v3-fp8")
+    dense = make_tiny_checkpoint(root / "dense", arch, **overrides)
+    scale_routers(dense)
+    out, deq, hooked = {}, {}, set()
+    for name, t in load_file(dense / "model.safetensors").items():
+        if _MLA_LINEAR.match(name):
+            q, scale, w = quantize_fp8_weight(t, "block", FP8_BLOCK)
+            out[name], out[name.replace(".weight", ".weight_scale_inv")], deq[name] = q, scale, w
+            if ".kv_b_proj." not in name:
+                hooked.add(name.removesuffix(".weight"))
+        else:
+            out[name] = deq[name] = t
+    write_quantized_pair(dense, root / "fp8", root / "deq", out, deq, fp8_moe_quant_config("block", 3, FP8_BLOCK))
+    hf = fake_quant_hf(root / "deq", hooked, "block", FP8_BLOCK[1])
+    hf.generation_config.use_cache = False  # full recompute: its tokens are its teacher-forced argmax
+    return root / "fp8", FollowsTransformers(hf_greedy(root / "deq", hf), hf)
+
+
+def test_fp8_kv_b_proj_is_absorbed_from_its_dequantized_weight(fp8_v3) -> None:
+    path, _ = fp8_v3
+    llm = tiny_llm(path)
+    attn = llm.engine.runner.model.model.layers[1].self_attn
+    assert attn.kv_b_proj.linear_method is not None and attn.kv_b_proj.weight.dtype == torch.float8_e4m3fn
+    w_uk, _ = attn._absorbed(torch.float32)
+    raw = load_file(path / "model.safetensors")
+    q, s = raw["model.layers.1.self_attn.kv_b_proj.weight"], raw["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
+    full = q.float() * s.repeat_interleave(16, 0)[: q.shape[0]].repeat_interleave(16, 1)[:, : q.shape[1]]
+    assert torch.equal(w_uk, full.view(4, 32, 32)[:, :16])
+
+
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}], ids=["batched", "chunked"])
+def test_fp8_greedy_follows_transformers(fp8_v3, kw) -> None:
+    """Up to e4m3 rounding flips (``FollowsTransformers``), batched or in prefill chunks."""
+    check_greedy_equals_transformers(*fp8_v3, **kw)
+
+
+def test_fp8_prefix_cache_and_preemption_keep_the_tokens(fp8_v3) -> None:
+    check_prefix_cache_and_preemption(*fp8_v3)
