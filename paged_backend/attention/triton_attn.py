@@ -12,6 +12,7 @@ import torch
 
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.kernels.cache_write import write_kv_cache
+from paged_backend.kernels.mla_attention import mla_forward, supported
 from paged_backend.kernels.mla_attention_ref import mla_forward_ref
 from paged_backend.kernels.paged_attention import paged_attention, query_prescale, warm_up
 
@@ -21,7 +22,10 @@ class TritonAttentionBackend:
 
     def forward_mla(self, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, v_dim: int, kv_scale: torch.Tensor) -> torch.Tensor:
-        """Multi-head latent attention through its torch reference (``AttentionBackend.forward_mla``)."""
+        """Multi-head latent attention (``AttentionBackend.forward_mla``): the Triton kernels
+        (``kernels/mla_attention.py``) where they take the dims, else the torch reference."""
+        if supported(v_dim, query.shape[-1] - v_dim):
+            return mla_forward(query, latent, kv_cache, meta, scale, v_dim, kv_scale)
         return mla_forward_ref(query, latent, kv_cache, meta, scale, v_dim, kv_scale)
 
     def query_scale(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,

@@ -279,3 +279,16 @@ def test_the_engine_runs_an_fp8_latent_cache(family) -> None:
     # scale applied wrongly moves every logit: test_an_fp8_latent_cache_attends_within_e4m3_error bounds the step)
     assert sum(t[0] == e[0] for t, e in zip(tokens, expected, strict=True)) >= len(PROMPTS) // 2
     assert_no_leak(llm.engine)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}], ids=["batched", "chunked"])
+def test_cuda_triton_kernels_equal_transformers(tmp_path, kw) -> None:
+    """On the GPU in fp32: the latent-attention kernels (a 16-wide rotary key, so the kernel takes the dims),
+    the fused-MoE, rotary and norm kernels."""
+    from family_fixtures import check_cuda_triton_greedy
+
+    arch, overrides = FAMILIES["deepseek_v3"]
+    path = make_tiny_checkpoint(tmp_path / "v3", arch, **{**overrides, "qk_rope_head_dim": 16, "head_dim": 16})
+    scale_routers(path)
+    check_cuda_triton_greedy(path, hf_greedy(path), **kw)

@@ -1,0 +1,179 @@
+"""Multi-head latent attention over a paged latent cache in Triton (``mla_attention_ref``'s contract).
+
+``write_latent_cache`` stores the step's new latents [T, D] at ``slot_mapping`` (-1: skipped; e4m3 caches
+store latent / kv_scale). ``mla_attention`` then attends: one program per (query row, BLOCK_H heads), the
+row's request and position found on the device (``row_positions``: no host sync, CUDA-graph capturable).
+Each program loads its heads' absorbed query once, in two parts (the latent's DV dims and the rotary
+DR dims, so D = DV + DR = 576 needs no padding to 1024), and walks the request's cache blocks (one block
+of BLOCK_SIZE tokens a step) with an online softmax::
+
+    s   = (q_lat . k_lat + q_pe . k_pe) * scale * kv_scale       [BLOCK_H, BLOCK_SIZE], keys past the row's
+                                                                 position masked
+    acc = acc * exp(m_old - m_new) + exp(s - m_new) @ k_lat      [BLOCK_H, DV]   (the latent is the value)
+    out = acc / l * kv_scale
+
+All heads of a request share the latents, so a program reads each cached token once for BLOCK_H heads (MQA:
+DeepSeek-V2-Lite's 16 heads in one program). DV and DR must be powers of two >= 16 (``supported``);
+``tl.dot`` needs 16 rows, so BLOCK_H is at least 16 (padded heads load zeros and store nothing). The
+products accumulate in fp32; fp32 queries use full-precision dots.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from paged_backend.kernels._launch import dot_dtype, next_pow2
+from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
+
+
+def supported(v_dim: int, rope_dim: int) -> bool:
+    """Whether the kernel takes a latent of ``v_dim`` + ``rope_dim`` dims (both powers of two >= 16)."""
+    return all(d >= 16 and d & (d - 1) == 0 for d in (v_dim, rope_dim))
+
+
+@triton.jit
+def _latent_write_kernel(latent_ptr, cache_ptr, slots_ptr, scale_ptr, stride_lt, D, FP8: tl.constexpr,
+                         BLOCK_D: tl.constexpr, LIMIT: tl.constexpr):
+    t = tl.program_id(0)
+    slot = tl.load(slots_ptr + t)
+    if slot < 0:
+        return
+    offs = tl.arange(0, BLOCK_D)
+    ok = offs < D
+    x = tl.load(latent_ptr + t * stride_lt + offs, mask=ok, other=0.0).to(tl.float32)
+    if FP8:
+        x = tl.clamp(x / tl.load(scale_ptr), -LIMIT, LIMIT)
+    tl.store(cache_ptr + slot.to(tl.int64) * D + offs, x.to(cache_ptr.dtype.element_ty), mask=ok)
+
+
+def write_latent_cache(latent: torch.Tensor, cache: torch.Tensor, slot_mapping: torch.Tensor,
+                       kv_scale: torch.Tensor | None = None) -> None:
+    """``write_latent_cache_ref`` as one launch (``cache`` contiguous [num_blocks, block_size, D])."""
+    t, d = latent.shape
+    if t == 0:
+        return
+    fp8 = cache.dtype == FP8_DTYPE
+    scale = kv_scale if kv_scale is not None else torch.ones((), dtype=torch.float32, device=latent.device)
+    _latent_write_kernel[(t,)](latent, cache, slot_mapping, scale, latent.stride(0), d, FP8=fp8,
+                               BLOCK_D=next_pow2(d), LIMIT=FP8_MAX)
+
+
+def row_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_rows: int) -> tuple[torch.Tensor,
+                                                                                                 torch.Tensor]:
+    """int32 (request, position) of each of the step's ``num_rows`` query rows, on the device."""
+    rows = torch.arange(num_rows, device=seq_lens.device, dtype=torch.int32)
+    req = torch.searchsorted(query_start_loc[1:].to(torch.int32), rows, right=True).to(torch.int32)
+    pos = seq_lens.to(torch.int32)[req] - (query_start_loc.to(torch.int32)[req + 1] - rows)
+    return req, pos
+
+
+@triton.jit(do_not_specialize=["H"])
+def _mla_attention_kernel(
+    q_ptr,  # [T, H, DV + DR]
+    cache_ptr,  # [num_blocks, BLOCK_SIZE, DV + DR]
+    tables_ptr,  # int32 [num_seqs, max_blocks]
+    req_ptr,  # int32 [T]
+    pos_ptr,  # int32 [T]
+    scale_ptr,  # float32 [] kv_scale
+    out_ptr,  # [T, H, DV]
+    H,
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    DV: tl.constexpr,
+    DR: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    t = tl.program_id(0)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = heads < H
+    req = tl.load(req_ptr + t)
+    pos = tl.load(pos_ptr + t)
+    dv = tl.arange(0, DV)
+    dr = tl.arange(0, DR)
+    q_rows = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + dv[None, :], mask=h_ok[:, None], other=0.0).to(DOT_DTYPE)
+    q_pe = tl.load(q_rows + DV + dr[None, :], mask=h_ok[:, None], other=0.0).to(DOT_DTYPE)
+    kv_scale = tl.load(scale_ptr)
+    qk_scale = sm_scale * kv_scale
+    m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
+    l_i = tl.zeros((BLOCK_H,), tl.float32)
+    acc = tl.zeros((BLOCK_H, DV), tl.float32)
+    slots = tl.arange(0, BLOCK_SIZE)
+    for j in range(0, pos // BLOCK_SIZE + 1):
+        block = tl.load(tables_ptr + req.to(tl.int64) * stride_bt + j).to(tl.int64)
+        keys = j * BLOCK_SIZE + slots
+        ok = keys <= pos
+        base = cache_ptr + block * stride_cb + slots[:, None] * (DV + DR)
+        k_lat = tl.load(base + dv[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+        k_pe = tl.load(base + DV + dr[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat))
+            s = tl.dot(q_pe, tl.trans(k_pe), s)
+        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None])
+        m_i = m_new
+    out = acc / l_i[:, None] * kv_scale
+    o_rows = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+    tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+
+
+def mla_attention(
+    q: torch.Tensor,  # [T, H, D]
+    latent_cache: torch.Tensor,  # [num_blocks, block_size, D]
+    block_tables: torch.Tensor,  # int32 [num_seqs, max_blocks]
+    seq_lens: torch.Tensor,  # int32 [num_seqs]
+    query_start_loc: torch.Tensor,  # int32 [num_seqs + 1]
+    scale: float,
+    v_dim: int,
+    kv_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [T, H, v_dim]
+    """``mla_attention_ref`` in one launch (module docstring)."""
+    t, h, d = q.shape
+    rope = d - v_dim
+    if latent_cache.shape[-1] != d or not supported(v_dim, rope):
+        raise ValueError(f"mla_attention takes latents of v_dim + rope dims, both powers of two >= 16; got q "
+                         f"{tuple(q.shape)}, cache {tuple(latent_cache.shape)}, v_dim {v_dim}")
+    out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
+    if t == 0:
+        return out
+    req, pos = row_positions(seq_lens, query_start_loc, t)
+    if kv_scale is None:
+        kv_scale = torch.ones((), dtype=torch.float32, device=q.device)
+    block_h = max(16, min(64, next_pow2(h)))
+    grid = (t, triton.cdiv(h, block_h))
+    _mla_attention_kernel[grid](
+        q, latent_cache, block_tables, req, pos, kv_scale, out, h, scale,
+        q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=latent_cache.shape[1], BLOCK_H=block_h, DV=v_dim, DR=rope,
+        DOT_DTYPE=dot_dtype(q.dtype), IEEE=q.dtype == torch.float32, num_warps=4 if v_dim <= 128 else 8,
+    )
+    return out
+
+
+def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float,
+                v_dim: int, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``mla_forward_ref`` with the kernels: the write, then the attention (``meta``: ``AttentionMetadata``)."""
+    if latent_cache.shape[1] != meta.block_size:
+        raise ValueError(f"latent cache block size {latent_cache.shape[1]} != metadata block_size {meta.block_size}")
+    write_latent_cache(latent, latent_cache, meta.slot_mapping, kv_scale)
+    return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,
+                         kv_scale)

@@ -1,0 +1,104 @@
+"""The multi-head latent attention kernels under the CPU interpreter (compiled on CUDA), against
+``mla_attention_ref``: decode rows and prefill chunks of several requests in scattered blocks, head counts that
+pad to BLOCK_H, bf16 / fp32 queries, an e4m3 latent cache with its scale, poisoned outputs; the latent cache
+write bit for bit against its reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from model_fixtures import make_meta
+from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
+from paged_backend.kernels.mla_attention import (
+    mla_attention,
+    mla_forward,
+    row_positions,
+    supported,
+    write_latent_cache,
+)
+from paged_backend.kernels.mla_attention_ref import mla_attention_ref, mla_forward_ref, write_latent_cache_ref
+
+pytestmark = pytest.mark.usefixtures("poison_uninitialized")
+
+
+def _step(seqs, heads, dv, dr, dtype, block_size=16, fp8=False, seed=0, device="cpu"):
+    """(query, latent, meta, a filled cache, kv_scale) of one step over ``seqs`` = (cached, new, blocks)."""
+    gen = torch.Generator().manual_seed(seed)
+    meta, _ = make_meta(seqs, block_size)
+    t = sum(n for _, n, _ in seqs)
+    blocks = 1 + max(b for *_, table in seqs for b in table)
+    cache_dtype = FP8_DTYPE if fp8 else dtype
+    cache = torch.randn(blocks, block_size, dv + dr, generator=gen).to(cache_dtype)  # the cached context
+    latent = torch.randn(t, dv + dr, generator=gen).to(dtype)
+    q = (torch.randn(t, heads, dv + dr, generator=gen) * 0.3).to(dtype)
+    scale = torch.tensor(0.05 if fp8 else 1.0)
+    to = lambda x: x.to(device) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    for f in ("slot_mapping", "block_tables", "seq_lens", "query_start_loc"):
+        setattr(meta, f, to(getattr(meta, f)))
+    return to(q), to(latent), meta, to(cache), to(scale)
+
+
+def _rel(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+CASES = [  # (seqs, heads, dv, dr)
+    ([(37, 1, [3, 1, 4]), (5, 1, [2]), (70, 1, [6, 5, 7, 8, 9])], 16, 64, 16),  # decode rows
+    ([(0, 9, [3, 1]), (20, 13, [2, 5, 4]), (15, 1, [6])], 4, 32, 16),  # a prefill, a chunk, a decode; 4 heads
+    ([(40, 3, [1, 2, 3]), (0, 2, [4])], 20, 32, 32),  # 20 heads: two head blocks
+]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["float", "fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("seqs,heads,dv,dr", CASES)
+def test_mla_forward_matches_the_reference(seqs, heads, dv, dr, dtype, fp8):
+    q, latent, meta, cache, scale = _step(seqs, heads, dv, dr, dtype, fp8=fp8, seed=heads + dv)
+    ref_cache = cache.clone()
+    got = mla_forward(q, latent, cache, meta, 0.125, dv, scale)
+    want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, dv, scale)
+    assert got.shape == (q.shape[0], heads, dv) and got.dtype == dtype and not got.isnan().any()
+    assert torch.equal(cache.view(torch.uint8) if fp8 else cache, ref_cache.view(torch.uint8) if fp8 else ref_cache)
+    assert _rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_the_write_skips_padded_slots_and_saturates_fp8():
+    cache = torch.zeros(2, 16, 48, dtype=FP8_DTYPE)
+    latent = torch.randn(4, 48) * 100
+    slots = torch.tensor([3, -1, 17, 30])
+    ref = cache.clone()
+    write_latent_cache(latent, cache, slots, torch.tensor(0.1))
+    write_latent_cache_ref(latent, ref, slots, torch.tensor(0.1))
+    assert torch.equal(cache.view(torch.uint8), ref.view(torch.uint8))
+    assert float(cache.float().abs().max()) == FP8_MAX
+
+
+def test_rows_find_their_request_and_position():
+    req, pos = row_positions(torch.tensor([10, 3, 7], dtype=torch.int32), torch.tensor([0, 4, 5, 7],
+                                                                                     dtype=torch.int32), 7)
+    assert req.tolist() == [0, 0, 0, 0, 1, 2, 2] and pos.tolist() == [6, 7, 8, 9, 2, 5, 6]
+
+
+def test_unsupported_dims_are_refused():
+    assert supported(512, 64) and not supported(32, 8) and not supported(48, 16)
+    q, _, meta, cache, _ = _step([(3, 1, [1])], 4, 32, 16, torch.float32)
+    with pytest.raises(ValueError, match="powers of two >= 16"):
+        mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.1, 40)
+    ref = mla_attention_ref(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.1, 32)
+    assert ref.shape == (1, 4, 32)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_compiled_deepseek_v2_lite_shaped(fp8):
+    """16 heads, latent 512 + 64, 8 decode rows over 1k-4k tokens, on the GPU."""
+    seqs, start = [], 1
+    for n in [1000, 4000, 2500, 1, 17, 3000, 64, 2048]:
+        nb = -(-(n + 1) // 16)
+        seqs.append((n, 1, list(range(start, start + nb))))
+        start += nb
+    q, latent, meta, cache, scale = _step(seqs, 16, 512, 64, torch.bfloat16, fp8=fp8, device="cuda")
+    ref_cache = cache.clone()
+    got = mla_forward(q, latent, cache, meta, 0.07, 512, scale)
+    want = mla_forward_ref(q, latent, ref_cache, meta, 0.07, 512, scale)
+    assert _rel(got.cpu(), want.cpu()) < 2e-2
