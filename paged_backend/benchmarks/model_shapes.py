@@ -24,6 +24,18 @@ MODEL_SHAPES: dict[str, dict[str, Any]] = {
                           head_dim=128, vocab_size=151936, tie_word_embeddings=False, rope_theta=1000000.0,
                           max_position_embeddings=40960, rms_norm_eps=1e-6),
 }
+# W3: DeepSeek-V2-Lite (15.7B total, 2.7B active): latent attention (512 + 64 cached a token), 64 routed experts
+# top-6 + 2 shared after one dense layer, YaRN
+MODEL_SHAPES["deepseek-v2-lite"] = dict(
+    architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944,
+    num_hidden_layers=27, num_attention_heads=16, num_key_value_heads=16, vocab_size=102400,
+    max_position_embeddings=163840, q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+    v_head_dim=128, n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, moe_intermediate_size=1408,
+    first_k_dense_replace=1, moe_layer_freq=1, n_group=1, topk_group=1, topk_method="greedy", scoring_func="softmax",
+    norm_topk_prob=False, routed_scaling_factor=1.0, rope_theta=10000.0, rms_norm_eps=1e-6,
+    rope_scaling=dict(type="yarn", factor=40.0, mscale=0.707, mscale_all_dim=0.707, beta_fast=32, beta_slow=1,
+                      original_max_position_embeddings=4096),
+    bos_token_id=100000, eos_token_id=100001, tie_word_embeddings=False)
 # Qwen3-30B-A3B-FP8's release: the same shapes, every decoder linear and expert block-wise e4m3 (run with
 # --quantization fp8; the dummy weights then fill that format)
 MODEL_SHAPES["qwen3-30b-a3b-fp8"] = dict(

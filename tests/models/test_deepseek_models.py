@@ -29,9 +29,10 @@ from model_fixtures import make_tiny_checkpoint
 from paged_backend.kernels.mla_attention_ref import mla_attention_ref, write_latent_cache_ref
 from paged_backend.kernels.rotary_ref import yarn_mscale
 from quant_fixtures import fp8_moe_quant_config, quantize_fp8_weight, write_quantized_pair
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from smollm2 import assert_no_leak
 
+from paged_backend import SamplingParams
 from paged_backend.models.mla import MLAAttention
 from paged_backend.models.model_info import ModelInfo
 
@@ -101,6 +102,40 @@ def test_greedy_equals_transformers(family, kw) -> None:
 
 def test_prefix_cache_and_preemption_keep_the_tokens(family) -> None:
     check_prefix_cache_and_preemption(*family)
+
+
+def test_an_abort_frees_the_latent_blocks_at_once(family) -> None:
+    path, _ = family
+    eng = tiny_llm(path).engine
+    total = eng.kv.block_pool.num_total_usable
+    eng.add_request("a", PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+    eng.add_request("b", PROMPTS[1], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    eng.step()
+    eng.step()
+    assert eng.kv.num_free_blocks < total and eng.kv.num_blocks_of("a") > 0
+    assert eng.abort_request("a").outputs[0].finish_reason == "abort"
+    assert eng.kv.num_blocks_of("a") == 0
+    while eng.has_unfinished_requests():
+        eng.step()
+    assert_no_leak(eng)
+
+
+def test_mtp_layers_after_the_decoder_are_skipped(tmp_path) -> None:
+    """DeepSeek-V3's multi-token-prediction layer (num_nextn_predict_layers: 1) is stored as layer L; the engine
+    loads the L decoder layers and leaves it (it serves speculative decoding), with the same tokens."""
+    arch, overrides = FAMILIES["deepseek_v3"]
+    path = make_tiny_checkpoint(tmp_path / "v3", arch, **overrides)
+    scale_routers(path)
+    expected = hf_greedy(path)
+    tensors = load_file(path / "model.safetensors")
+    last = "model.layers.2."
+    mtp = {"model.layers.3." + n.removeprefix(last): t.clone() for n, t in tensors.items() if n.startswith(last)}
+    mtp["model.layers.3.eh_proj.weight"] = torch.zeros(64, 128)
+    save_file({**tensors, **mtp}, path / "model.safetensors", metadata={"format": "pt"})
+    cfg = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**cfg, "num_nextn_predict_layers": 1}))
+    assert ModelInfo.from_dir(path).num_mtp_layers == 1
+    assert greedy_tokens(tiny_llm(path)) == expected
 
 
 def test_tensor_parallel_2_equals_1(family) -> None:
@@ -227,8 +262,6 @@ def test_n2_greedy_copies_and_beam_search_equal_transformers(family) -> None:
     """n = 2 greedy copies (forked latent blocks) both give transformers' tokens; beam search of width 3 gives
     transformers' best beam (EOS ignored on both sides)."""
     from transformers import AutoModelForCausalLM
-
-    from paged_backend import SamplingParams
 
     path, expected = family
     llm = tiny_llm(path)
