@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from paged_backend.attention.backend import AttentionBackend, AttentionMetadata
+from paged_backend.models.cpu_linear import linear
 from paged_backend.models.layers import FusedLinear, ModelOps, RMSNorm, RotaryEmbedding
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.parallel import ColumnParallelLinear, RowParallelLinear, split
@@ -107,8 +108,6 @@ class MLAAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor,
                 meta: AttentionMetadata) -> torch.Tensor:
-        from paged_backend.models.llama import linear
-
         m, t = self.mla, hidden.shape[0]
         if self.q_proj is not None:
             q = linear(self.q_proj, hidden)

@@ -1,4 +1,4 @@
-"""Dense fp32 linears on the CPU (``models/llama.py``'s ``cpu_linear``): oneDNN on a weight
+"""Dense fp32 linears on the CPU (``models/cpu_linear.py``'s ``cpu_linear``): oneDNN on a weight
 packed once when it is available and the batch has 2+ rows, ``F.linear`` otherwise; the same
 result either way, the packed copy dropped by ``load_weights`` and bounded by the RAM budget."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from paged_backend.models import llama
+from paged_backend.models import cpu_linear as dense
 from paged_backend.models.layers import FusedLinear
 
 
@@ -23,26 +23,26 @@ def _layer(bias: bool = True) -> FusedLinear:
 
 
 def _packed(layer: FusedLinear) -> dict:
-    return layer.__dict__.get(llama._PACKED, {})
+    return layer.__dict__.get(dense.PACKED, {})
 
 
 @pytest.mark.parametrize("rows", [None, (0, 48), (48, 96)])
 def test_equals_f_linear_and_packs_once(rows, monkeypatch):
     # a budget of its own: engines of earlier tests in this process may still hold theirs
-    monkeypatch.setattr(llama, "_PACK_BUDGET", [1 << 30])
+    monkeypatch.setattr(dense, "_PACK_BUDGET", [1 << 30])
     layer = _layer()
     x = torch.randn(7, 64)
     w, b = layer.weight, layer.bias
     if rows is not None:
         w, b = w[rows[0] : rows[1]], b[rows[0] : rows[1]]
     want = F.linear(x, w, b)
-    got = llama.cpu_linear(layer, x, rows)
+    got = dense.cpu_linear(layer, x, rows)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32, another summation order
     key = rows or (0, 96)
-    if llama._ONEDNN:
+    if dense._ONEDNN:
         first = _packed(layer)[key]
         assert first is not None
-        llama.cpu_linear(layer, x, rows)
+        dense.cpu_linear(layer, x, rows)
         assert _packed(layer)[key] is first  # reused, not packed again
     else:
         assert key not in _packed(layer)
@@ -51,21 +51,21 @@ def test_equals_f_linear_and_packs_once(rows, monkeypatch):
 def test_one_row_takes_f_linear():
     layer = _layer(bias=False)
     x = torch.randn(1, 64)
-    torch.testing.assert_close(llama.cpu_linear(layer, x), F.linear(x, layer.weight))
+    torch.testing.assert_close(dense.cpu_linear(layer, x), F.linear(x, layer.weight))
     assert not _packed(layer)
 
 
 def test_budget_exhausted_falls_back(monkeypatch):
-    monkeypatch.setattr(llama, "_PACK_BUDGET", [100])  # bytes: less than one weight
+    monkeypatch.setattr(dense, "_PACK_BUDGET", [100])  # bytes: less than one weight
     layer = _layer()
     x = torch.randn(5, 64)
-    torch.testing.assert_close(llama.cpu_linear(layer, x), F.linear(x, layer.weight, layer.bias))
-    if llama._ONEDNN:
+    torch.testing.assert_close(dense.cpu_linear(layer, x), F.linear(x, layer.weight, layer.bias))
+    if dense._ONEDNN:
         assert _packed(layer)[(0, 96)] is None  # remembered: F.linear from now on
-        assert llama._PACK_BUDGET == [100]
+        assert dense._PACK_BUDGET == [100]
 
 
-@pytest.mark.skipif(not llama._ONEDNN, reason="oneDNN linear ops unavailable in this torch")
+@pytest.mark.skipif(not dense._ONEDNN, reason="oneDNN linear ops unavailable in this torch")
 def test_load_weights_drops_the_packed_copies(tmp_path):
     from model_fixtures import make_tiny_checkpoint
 
@@ -87,12 +87,12 @@ def test_load_weights_drops_the_packed_copies(tmp_path):
     torch.testing.assert_close(model.compute_logits(x), 2 * before, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.skipif(not llama._ONEDNN, reason="needs torch's oneDNN linear ops")
+@pytest.mark.skipif(not dense._ONEDNN, reason="needs torch's oneDNN linear ops")
 def test_freed_packed_copies_return_to_the_budget(monkeypatch):
     budget = [1 << 20]
-    monkeypatch.setattr(llama, "_PACK_BUDGET", budget)
+    monkeypatch.setattr(dense, "_PACK_BUDGET", budget)
     layer = _layer()
-    llama.cpu_linear(layer, torch.randn(4, 64))
+    dense.cpu_linear(layer, torch.randn(4, 64))
     assert budget[0] == (1 << 20) - 96 * 64 * 4
     del layer  # no cycles here: freed at once, and with it the packed copy
     import gc
