@@ -13,12 +13,16 @@ of BLOCK_SIZE tokens a step) with an online softmax::
     out = acc / l * kv_scale
 
 All heads of a request share the latents, so a program reads each cached token once for BLOCK_H heads (MQA:
-DeepSeek-V2-Lite's 16 heads in one program). DV and DR must be powers of two >= 16 (``supported``);
+DeepSeek-V2-Lite's 16 heads in one program). Few rows over long contexts (decode at small batch) split each
+row's blocks over ``splits`` programs (``pick_splits``: two programs per SM); each writes its unnormalised
+fp32 sum and its running max and denominator, and ``_mla_merge_kernel`` combines them by log-sum-exp. DV and DR must be powers of two >= 16 (``supported``);
 ``tl.dot`` needs 16 rows, so BLOCK_H is at least 16 (padded heads load zeros and store nothing). The
 products accumulate in fp32; fp32 queries use full-precision dots.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import triton
@@ -76,9 +80,12 @@ def _mla_attention_kernel(
     req_ptr,  # int32 [T]
     pos_ptr,  # int32 [T]
     scale_ptr,  # float32 [] kv_scale
-    out_ptr,  # [T, H, DV]
+    out_ptr,  # [T, H, DV]; SPLITS > 1: float32 partial sums [SPLITS, T, H, DV]
+    ml_ptr,  # SPLITS > 1: float32 [SPLITS, T, H, 2]: each split's running max and sum
     H,
+    T,
     sm_scale,
+    blocks_per_split,
     stride_qt,
     stride_qh,
     stride_cb,
@@ -91,8 +98,10 @@ def _mla_attention_kernel(
     DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
+    SPLITS: tl.constexpr,
 ):
     t = tl.program_id(0)
+    split = tl.program_id(2)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = heads < H
     req = tl.load(req_ptr + t)
@@ -108,7 +117,9 @@ def _mla_attention_kernel(
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, DV), tl.float32)
     slots = tl.arange(0, BLOCK_SIZE)
-    for j in range(0, pos // BLOCK_SIZE + 1):
+    first = split * blocks_per_split
+    last = tl.minimum(first + blocks_per_split, pos // BLOCK_SIZE + 1)  # this split's blocks (maybe none)
+    for j in range(first, last):
         block = tl.load(tables_ptr + req.to(tl.int64) * stride_bt + j).to(tl.int64)
         keys = j * BLOCK_SIZE + slots
         ok = keys <= pos
@@ -131,9 +142,34 @@ def _mla_attention_kernel(
         else:
             acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None])
         m_i = m_new
-    out = acc / l_i[:, None] * kv_scale
-    o_rows = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-    tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    if SPLITS == 1:
+        out = acc / l_i[:, None] * kv_scale
+        o_rows = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+        tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+    else:  # unnormalised partials, merged by _mla_merge_kernel (a split without keys leaves m = -inf, l = 0)
+        row = (split * T + t).to(tl.int64) * H + heads
+        tl.store(out_ptr + row[:, None] * DV + dv[None, :], acc, mask=h_ok[:, None])
+        tl.store(ml_ptr + row * 2, m_i, mask=h_ok)
+        tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
+
+
+@triton.jit
+def _mla_merge_kernel(part_ptr, ml_ptr, scale_ptr, out_ptr, H, T, stride_ot, stride_oh, SPLITS: tl.constexpr,
+                      DV: tl.constexpr):
+    """out[t, h] = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s * kv_scale, over the splits."""
+    t = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.arange(0, SPLITS)
+    rows = (s * T + t).to(tl.int64) * H + h
+    m_s = tl.load(ml_ptr + rows * 2)
+    l_s = tl.load(ml_ptr + rows * 2 + 1)
+    m = tl.max(m_s, 0)
+    w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)
+    dv = tl.arange(0, DV)
+    acc = tl.load(part_ptr + rows[:, None] * DV + dv[None, :])
+    acc = tl.where((l_s > 0)[:, None], acc, 0.0)
+    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0) * tl.load(scale_ptr)
+    tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + dv, out.to(out_ptr.dtype.element_ty))
 
 
 def mla_attention(
@@ -145,8 +181,11 @@ def mla_attention(
     scale: float,
     v_dim: int,
     kv_scale: torch.Tensor | None = None,
+    *,
+    max_seq_len: int | None = None,  # the step's longest request (host int): picks the context split
+    splits: int | None = None,  # programs a row's context is split over (default: from max_seq_len)
 ) -> torch.Tensor:  # [T, H, v_dim]
-    """``mla_attention_ref`` in one launch (module docstring)."""
+    """``mla_attention_ref`` in one launch, or a split launch and a merge (module docstring)."""
     t, h, d = q.shape
     rope = d - v_dim
     if latent_cache.shape[-1] != d or not supported(v_dim, rope):
@@ -159,14 +198,51 @@ def mla_attention(
     if kv_scale is None:
         kv_scale = torch.ones((), dtype=torch.float32, device=q.device)
     block_h = max(16, min(64, next_pow2(h)))
-    grid = (t, triton.cdiv(h, block_h))
-    _mla_attention_kernel[grid](
-        q, latent_cache, block_tables, req, pos, kv_scale, out, h, scale,
+    bs = latent_cache.shape[1]
+    max_blocks = -(-(max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs) // bs)
+    head_blocks = triton.cdiv(h, block_h)
+    if splits is None:
+        splits = pick_splits(t * head_blocks, max_blocks, _sm_count(q.device))
+    splits = max(1, min(next_pow2(splits), next_pow2(max_blocks)))
+    per_split = -(-max_blocks // splits)
+    part, ml = out, out
+    if splits > 1:
+        part = torch.empty((splits, t, h, v_dim), dtype=torch.float32, device=q.device)
+        ml = torch.empty((splits, t, h, 2), dtype=torch.float32, device=q.device)
+    _mla_attention_kernel[(t, head_blocks, splits)](
+        q, latent_cache, block_tables, req, pos, kv_scale, part, ml, h, t, scale, per_split,
         q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=latent_cache.shape[1], BLOCK_H=block_h, DV=v_dim, DR=rope,
-        DOT_DTYPE=dot_dtype(q.dtype), IEEE=q.dtype == torch.float32, num_warps=4 if v_dim <= 128 else 8,
+        BLOCK_SIZE=bs, BLOCK_H=block_h, DV=v_dim, DR=rope,
+        DOT_DTYPE=dot_dtype(q.dtype), IEEE=q.dtype == torch.float32, SPLITS=splits,
+        num_warps=4 if v_dim <= 128 else 8,
     )
+    if splits > 1:
+        _mla_merge_kernel[(t, h)](part, ml, kv_scale, out, h, t, out.stride(0), out.stride(1), SPLITS=splits,
+                                  DV=v_dim)
     return out
+
+
+SPLIT_MIN_BLOCKS = 8  # cache blocks a split walks at the least
+
+
+def pick_splits(programs: int, max_blocks: int, sms: int) -> int:
+    """Context splits per row: enough programs for two per SM, each split at least ``SPLIT_MIN_BLOCKS``
+    blocks of the longest request (a power of two, 1 when the rows already fill the GPU)."""
+    if programs >= 2 * sms:
+        return 1
+    want = -(-2 * sms // max(programs, 1))
+    return max(1, min(next_pow2(want), next_pow2(max(1, max_blocks // SPLIT_MIN_BLOCKS))))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter: one split unless asked
+    return _cuda_sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float,
@@ -176,4 +252,4 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
         raise ValueError(f"latent cache block size {latent_cache.shape[1]} != metadata block_size {meta.block_size}")
     write_latent_cache(latent, latent_cache, meta.slot_mapping, kv_scale)
     return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,
-                         kv_scale)
+                         kv_scale, max_seq_len=meta.max_seq_len)

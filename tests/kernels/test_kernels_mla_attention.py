@@ -12,6 +12,7 @@ from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 from paged_backend.kernels.mla_attention import (
     mla_attention,
     mla_forward,
+    pick_splits,
     row_positions,
     supported,
     write_latent_cache,
@@ -102,3 +103,26 @@ def test_compiled_deepseek_v2_lite_shaped(fp8):
     got = mla_forward(q, latent, cache, meta, 0.07, 512, scale)
     want = mla_forward_ref(q, latent, ref_cache, meta, 0.07, 512, scale)
     assert _rel(got.cpu(), want.cpu()) < 2e-2
+
+
+@pytest.mark.parametrize("splits", [2, 4, 8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_context_splits_merge_to_the_reference(splits, dtype):
+    """A row's blocks over 2-8 programs merged by log-sum-exp; splits past a short row's last block (no keys)
+    add nothing; fp8 latents too."""
+    seqs = [(70, 1, [6, 5, 7, 8, 9]), (5, 1, [2]), (20, 3, [3, 1])]
+    for fp8 in (False, True):
+        q, latent, meta, cache, scale = _step(seqs, 4, 32, 16, dtype, fp8=fp8, seed=splits)
+        ref_cache = cache.clone()
+        write_latent_cache(latent, cache, meta.slot_mapping, scale)
+        got = mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 32, scale,
+                            max_seq_len=71, splits=splits)
+        want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 32, scale)
+        assert not got.isnan().any() and _rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+def test_pick_splits_fills_the_gpu_and_keeps_splits_long():
+    assert pick_splits(8, 256, 132) == 32  # 8 rows x 4k context: 33 -> 32 splits of 8 blocks
+    assert pick_splits(300, 256, 132) == 1  # enough rows already
+    assert pick_splits(1, 4, 132) == 1  # 4 blocks: too short to split
+    assert pick_splits(1, 64, 132) == 8
