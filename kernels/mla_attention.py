@@ -184,6 +184,7 @@ def mla_attention(
     *,
     max_seq_len: int | None = None,  # the step's longest request (host int): picks the context split
     splits: int | None = None,  # programs a row's context is split over (default: from max_seq_len)
+    rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``row_positions``, if the caller has them
 ) -> torch.Tensor:  # [T, H, v_dim]
     """``mla_attention_ref`` in one launch, or a split launch and a merge (module docstring)."""
     t, h, d = q.shape
@@ -194,7 +195,7 @@ def mla_attention(
     out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    req, pos = row_positions(seq_lens, query_start_loc, t)
+    req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
     if kv_scale is None:
         kv_scale = torch.ones((), dtype=torch.float32, device=q.device)
     block_h = max(16, min(64, next_pow2(h)))
@@ -251,5 +252,8 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
     if latent_cache.shape[1] != meta.block_size:
         raise ValueError(f"latent cache block size {latent_cache.shape[1]} != metadata block_size {meta.block_size}")
     write_latent_cache(latent, latent_cache, meta.slot_mapping, kv_scale)
+    key = ("mla_rows", query.shape[0])  # once per step, not per layer
+    if key not in meta.step_cache:
+        meta.step_cache[key] = row_positions(meta.seq_lens, meta.query_start_loc, query.shape[0])
     return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,
-                         kv_scale, max_seq_len=meta.max_seq_len)
+                         kv_scale, max_seq_len=meta.max_seq_len, rows=meta.step_cache[key])

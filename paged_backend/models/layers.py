@@ -71,6 +71,22 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     param.data.copy_(loaded_weight)
 
 
+def register_kv_scales(module: nn.Module) -> None:
+    """An attention layer's KV-cache quantization scales ``k_scale`` / ``v_scale`` (float32 scalars, 1.0 unless
+    the checkpoint has them or ``calibrate_kv_scales`` sets them from the first batch)."""
+    module.register_buffer("k_scale", torch.empty((), dtype=torch.float32), persistent=False)
+    module.register_buffer("v_scale", torch.empty((), dtype=torch.float32), persistent=False)
+    module.calibrate_kv_scales = False  # set by --calculate-kv-scales
+    reset_kv_scales(module)
+
+
+def reset_kv_scales(module: nn.Module) -> None:
+    """``register_kv_scales``' buffers back to 1.0 (nothing on the meta device)."""
+    if not module.k_scale.is_meta:
+        module.k_scale.fill_(1.0)
+        module.v_scale.fill_(1.0)
+
+
 def new_param(shape: Sequence[int], dtype: torch.dtype, loader: Callable = default_weight_loader) -> nn.Parameter:
     """An uninitialised inference parameter (no grad) carrying its ``weight_loader``."""
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)

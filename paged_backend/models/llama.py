@@ -31,8 +31,10 @@ from paged_backend.models.layers import (
     RMSNorm,
     RotaryEmbedding,
     reference_ops,
+    register_kv_scales,
+    reset_kv_scales,
 )
-from paged_backend.models.mla import MLAAttention
+from paged_backend.models.mla import DEQUANTIZED_KV_B, MLAAttention
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.moe import SparseMoeBlock
 from paged_backend.models.parallel import (
@@ -74,17 +76,10 @@ class LlamaAttention(nn.Module):
         self.attn_backend = attn_backend
         self.scale = self.head_dim**-0.5
         self.sliding_window = info.layer_sliding_windows[layer_idx]
-        # KV-cache quantization scales (1.0 unless the checkpoint has them)
-        self.register_buffer("k_scale", torch.empty((), dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.empty((), dtype=torch.float32), persistent=False)
-        self.calibrate_kv_scales = False  # set by --calculate-kv-scales: scales from the first batch
-        self.init_buffers()
+        register_kv_scales(self)
 
     def init_buffers(self) -> None:
-        if self.k_scale.is_meta:
-            return
-        self.k_scale.fill_(1.0)
-        self.v_scale.fill_(1.0)
+        reset_kv_scales(self)
 
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata
@@ -270,5 +265,5 @@ class LlamaForCausalLM(nn.Module):
         returns the names of the fully loaded parameters and KV-scale buffers."""
         for m in self.modules():  # copies made from the old weights (cpu_linear's packed ones, MLA's dequantized)
             m.__dict__.pop(PACKED, None)
-            m.__dict__.pop("_kv_b_dense", None)
+            m.__dict__.pop(DEQUANTIZED_KV_B, None)
         return load_checkpoint_tensors(self, self.info, weights)

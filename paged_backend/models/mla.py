@@ -31,7 +31,14 @@ from torch import nn
 
 from paged_backend.attention.backend import AttentionBackend, AttentionMetadata
 from paged_backend.models.cpu_linear import linear
-from paged_backend.models.layers import FusedLinear, ModelOps, RMSNorm, RotaryEmbedding
+from paged_backend.models.layers import (
+    FusedLinear,
+    ModelOps,
+    RMSNorm,
+    RotaryEmbedding,
+    register_kv_scales,
+    reset_kv_scales,
+)
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.parallel import ColumnParallelLinear, RowParallelLinear, split
 
@@ -39,6 +46,7 @@ if TYPE_CHECKING:
     from paged_backend.distributed import TPGroup
 
 LATENT_NORM_EPS = 1e-6  # q_a_layernorm / kv_a_layernorm: transformers' default, not rms_norm_eps
+DEQUANTIZED_KV_B = "_kv_b_dense"  # module attribute: a quantized kv_b_proj's dequantized weight (load_weights drops it)
 
 
 def _column(in_features: int, out_features: int, dtype: torch.dtype, tp: TPGroup | None, what: str) -> FusedLinear:
@@ -77,17 +85,10 @@ class MLAAttention(nn.Module):
         self.rotary_emb = rotary_emb
         self.attn_backend = attn_backend
         self.scale = mla.softmax_scale
-        # the fp8 latent cache's scale (1.0 unless the checkpoint has one); k_scale names it as for K/V caches
-        self.register_buffer("k_scale", torch.empty((), dtype=torch.float32), persistent=False)
-        self.register_buffer("v_scale", torch.empty((), dtype=torch.float32), persistent=False)
-        self.calibrate_kv_scales = False
-        self.init_buffers()
+        register_kv_scales(self)  # k_scale: the fp8 latent cache's scale (v_scale unused)
 
     def init_buffers(self) -> None:
-        if self.k_scale.is_meta:
-            return
-        self.k_scale.fill_(1.0)
-        self.v_scale.fill_(1.0)
+        reset_kv_scales(self)
 
     def _absorbed(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(W_UK [H, nope, kv_lora], W_UV [H, v, kv_lora]) of this rank's heads: views of kv_b_proj's weight, or
@@ -97,12 +98,12 @@ class MLAAttention(nn.Module):
         if self.kv_b_proj.linear_method is None:
             w = self.kv_b_proj.weight
         else:
-            w = self.__dict__.get("_kv_b_dense")
+            w = self.__dict__.get(DEQUANTIZED_KV_B)
             if w is None or w.dtype != dtype:
                 eye = torch.eye(m.kv_lora_rank, dtype=dtype, device=self.k_scale.device)
                 with torch.no_grad():
                     w = self.kv_b_proj.linear_method.apply(self.kv_b_proj, eye).t().contiguous()
-                self.__dict__["_kv_b_dense"] = w
+                self.__dict__[DEQUANTIZED_KV_B] = w
         w = w.view(self.num_heads, m.qk_nope_head_dim + m.v_head_dim, m.kv_lora_rank)
         return w[:, : m.qk_nope_head_dim], w[:, m.qk_nope_head_dim :]
 
