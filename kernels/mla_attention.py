@@ -72,7 +72,7 @@ def row_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_row
     return req, pos
 
 
-@triton.jit(do_not_specialize=["H"])
+@triton.jit(do_not_specialize=["H", "T", "blocks_per_split"])  # batch sizes: one compile for all
 def _mla_attention_kernel(
     q_ptr,  # [T, H, DV + DR]
     cache_ptr,  # [num_blocks, BLOCK_SIZE, DV + DR]
@@ -156,19 +156,28 @@ def _mla_attention_kernel(
 @triton.jit
 def _mla_merge_kernel(part_ptr, ml_ptr, scale_ptr, out_ptr, H, T, stride_ot, stride_oh, SPLITS: tl.constexpr,
                       DV: tl.constexpr):
-    """out[t, h] = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s * kv_scale, over the splits."""
+    """out[t, h] = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s * kv_scale, over the splits, one split at
+    a time (a split without keys, l_s = 0, is skipped and its partial sum not read)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    s = tl.arange(0, SPLITS)
-    rows = (s * T + t).to(tl.int64) * H + h
-    m_s = tl.load(ml_ptr + rows * 2)
-    l_s = tl.load(ml_ptr + rows * 2 + 1)
-    m = tl.max(m_s, 0)
-    w = tl.where(l_s > 0, tl.exp(m_s - m), 0.0)
     dv = tl.arange(0, DV)
-    acc = tl.load(part_ptr + rows[:, None] * DV + dv[None, :])
-    acc = tl.where((l_s > 0)[:, None], acc, 0.0)
-    out = tl.sum(acc * w[:, None], 0) / tl.sum(l_s * w, 0) * tl.load(scale_ptr)
+    m = float("-inf")
+    lsum = 0.0
+    acc = tl.zeros((DV,), tl.float32)
+    for s in range(SPLITS):
+        row = (s * T + t).to(tl.int64) * H + h
+        l_s = tl.load(ml_ptr + row * 2 + 1)
+        valid = l_s > 0
+        m_s = tl.where(valid, tl.load(ml_ptr + row * 2), float("-inf"))
+        a_s = tl.load(part_ptr + row * DV + dv, mask=dv < tl.where(valid, DV, 0), other=0.0)
+        m_new = tl.maximum(m, m_s)
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m - m_ref)
+        beta = tl.where(valid, tl.exp(m_s - m_ref), 0.0)
+        acc = acc * alpha + a_s * beta
+        lsum = lsum * alpha + l_s * beta
+        m = m_new
+    out = acc / lsum * tl.load(scale_ptr)
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + dv, out.to(out_ptr.dtype.element_ty))
 
 
@@ -198,7 +207,7 @@ def mla_attention(
     req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
     if kv_scale is None:
         kv_scale = torch.ones((), dtype=torch.float32, device=q.device)
-    block_h = max(16, min(64, next_pow2(h)))
+    block_h = _block_h(h)
     bs = latent_cache.shape[1]
     max_blocks = -(-(max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs) // bs)
     head_blocks = triton.cdiv(h, block_h)
@@ -223,16 +232,43 @@ def mla_attention(
     return out
 
 
+def warm_up(latent_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int, v_dim: int, max_model_len: int,
+            kv_scale: torch.Tensor | None = None) -> int:
+    """Compile every kernel variant a step can launch on this cache (one per context split count, up to the
+    most ``pick_splits`` gives a single row of ``max_model_len`` tokens), by launching each once on one row
+    that reads only block 0 and writes nothing to the cache. Returns the variants launched (0 on the CPU)."""
+    if latent_cache.device.type != "cuda":
+        return 0
+    dev, d, bs = latent_cache.device, latent_cache.shape[-1], latent_cache.shape[1]
+    max_blocks = -(-max_model_len // bs)
+    q = torch.zeros((1, num_heads, d), dtype=query_dtype, device=dev)
+    tables = torch.zeros((1, max_blocks), dtype=torch.int32, device=dev)
+    seq_lens = torch.full((1,), max_blocks * bs, dtype=torch.int32, device=dev)
+    qsl = torch.tensor([0, 1], dtype=torch.int32, device=dev)
+    most = pick_splits(triton.cdiv(num_heads, _block_h(num_heads)), max_blocks, _sm_count(dev))
+    variants = [1 << i for i in range(most.bit_length())]
+    for splits in variants:
+        mla_attention(q, latent_cache, tables, seq_lens, qsl, d**-0.5, v_dim, kv_scale, max_seq_len=max_blocks * bs,
+                      splits=splits)
+    return len(variants)
+
+
+def _block_h(num_heads: int) -> int:
+    return max(16, min(64, next_pow2(num_heads)))
+
+
 SPLIT_MIN_BLOCKS = 8  # cache blocks a split walks at the least
+MAX_SPLITS = 64  # at most (a CUDA graph sized for max_model_len splits a short row this many ways)
 
 
 def pick_splits(programs: int, max_blocks: int, sms: int) -> int:
     """Context splits per row: enough programs for two per SM, each split at least ``SPLIT_MIN_BLOCKS``
-    blocks of the longest request (a power of two, 1 when the rows already fill the GPU)."""
+    blocks of the longest request, at most ``MAX_SPLITS`` (a power of two, 1 when the rows already fill the
+    GPU)."""
     if programs >= 2 * sms:
         return 1
     want = -(-2 * sms // max(programs, 1))
-    return max(1, min(next_pow2(want), next_pow2(max(1, max_blocks // SPLIT_MIN_BLOCKS))))
+    return max(1, min(next_pow2(want), next_pow2(max(1, max_blocks // SPLIT_MIN_BLOCKS)), MAX_SPLITS))
 
 
 def _sm_count(device: torch.device) -> int:

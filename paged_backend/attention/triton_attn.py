@@ -13,6 +13,7 @@ import torch
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.kernels.cache_write import write_kv_cache
 from paged_backend.kernels.mla_attention import mla_forward, supported
+from paged_backend.kernels.mla_attention import warm_up as warm_up_latent
 from paged_backend.kernels.mla_attention_ref import mla_forward_ref
 from paged_backend.kernels.paged_attention import paged_attention, query_prescale, warm_up
 
@@ -74,3 +75,11 @@ class TritonAttentionBackend:
         return warm_up(kv_cache, query_dtype, num_heads, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                        max_blocks=max_blocks, sliding_window=sliding_window)
+
+    def warm_up_mla(self, kv_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int, v_dim: int, *,
+                    max_model_len: int) -> int:
+        """``warm_up`` for a latent cache (``kernels/mla_attention.py``'s ``warm_up``); 0 where the
+        torch reference runs (dims the kernel does not take)."""
+        if not supported(v_dim, kv_cache.shape[-1] - v_dim):
+            return 0
+        return warm_up_latent(kv_cache, query_dtype, num_heads, v_dim, max_model_len)

@@ -19,6 +19,8 @@ be read against what the best-known kernel reaches::
              default) at M tokens: ours (``fused_moe``, this device's tuned table where one
              exists) and vLLM's ``fused_experts`` (its Triton kernel with its own tables), on the
              same softmax top-k routing; the weight bandwidth counts the experts the batch touches
+    mla      latent-attention decode (``peer_mla.py``): ours beside vLLM's FlashMLA, FA3-MLA and
+             Triton-MLA kernels
 
 Every kernel is checked against a torch reference before it is timed (attention:
 ``paged_attention_ref``, for fp8 on the e4m3-rounded q FA3 gets; int4: x times the kernel's
@@ -36,11 +38,12 @@ import math
 import sys
 import time
 
+from paged_backend.benchmarks import peer_mla
 from paged_backend.benchmarks.kernel_bench import Bench, add_attention_grid_args
 from paged_backend.benchmarks.results import Row, parse_ints, run_header
 from paged_backend.benchmarks.timing import GIB, copies_to_touch
 
-GROUPS = ("decode", "prefill", "int4", "moe")
+GROUPS = ("decode", "prefill", "int4", "moe", "mla")
 PEER_TOL = 2e-2  # relative error against the reference
 PEER_TOL_FP8 = 5e-2  # FA3 with fp8 KV also rounds P to e4m3 for the PV product (~2.4e-2 measured)
 
@@ -60,6 +63,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="moe: E x N x H x top-k (experts, expert intermediate, hidden, experts per token)")
     p.add_argument("--moe-m", default="1,16,64,256,4096", help="moe: tokens per call")
     p.add_argument("--replays", type=int, default=20)
+    peer_mla.add_arguments(p)
 
 
 def add_peer_parser(sub) -> None:
@@ -329,6 +333,11 @@ class PeerBench(Bench):
                 self.add(Row("moe", f"E={e} N={n} k={k} M={m:<4} {who}", ms, "TB/s",
                              touched * expert_bytes / (ms * 1e-3) / 1e12, f"{touched:.0f} experts touched"))
             self.pair(cell, t["ours"], t["vLLM fused_experts"], "vLLM fused_experts")
+
+    # -- mla ------------------------------------------------------------------------------
+
+    def mla(self) -> None:
+        peer_mla.run(self)
 
     # -- report ---------------------------------------------------------------------------
 

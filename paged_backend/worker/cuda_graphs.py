@@ -68,7 +68,8 @@ class DecodeGraphs:
                 for _ in range(2):  # compile / autotune every kernel outside the capture
                     self.forward(step.input_ids, step.positions, step.meta)
             torch.cuda.current_stream().wait_stream(stream)
-            graph = torch.cuda.CUDAGraph()
+            step.meta.step_cache.clear()  # device scratch made per step (latent attention's row positions)
+            graph = torch.cuda.CUDAGraph()  # must be made inside the graph, not read from the warm-up's
             with torch.cuda.graph(graph, pool=self.pool):
                 out = self.forward(step.input_ids, step.positions, step.meta)
             if self.pool is None:

@@ -179,16 +179,22 @@ class ModelRunner:
     def warm_up_attention(self) -> None:
         """Compile the attention kernel variants any step can need now, not on the step that first
         needs one (a stall of seconds: a server's first request of a new shape)."""
-        warm = getattr(self.attn_backend, "warm_up", None)
-        if warm is None or not self.kv_caches or self.kv_specs[0].is_latent:  # latent attention: no kernel yet
+        latent = bool(self.kv_specs) and self.kv_specs[0].is_latent
+        warm = getattr(self.attn_backend, "warm_up_mla" if latent else "warm_up", None)
+        if warm is None or not self.kv_caches:
             return
         t0 = time.perf_counter()
         heads = local_heads(self.info, self.tp)[0]
         lim = self.limits
         try:
-            n = warm(self.kv_caches[0], self.dtype, heads, max_num_seqs=lim.max_num_seqs,
-                     max_num_batched_tokens=lim.max_num_batched_tokens, max_model_len=lim.max_model_len,
-                     max_blocks=self.inputs.max_blocks, sliding_window=getattr(self.model, "sliding_window", None))
+            if latent:
+                n = warm(self.kv_caches[0], self.dtype, heads, self.info.mla.kv_lora_rank,
+                         max_model_len=lim.max_model_len)
+            else:
+                n = warm(self.kv_caches[0], self.dtype, heads, max_num_seqs=lim.max_num_seqs,
+                         max_num_batched_tokens=lim.max_num_batched_tokens, max_model_len=lim.max_model_len,
+                         max_blocks=self.inputs.max_blocks,
+                         sliding_window=getattr(self.model, "sliding_window", None))
         except Exception as exc:  # an optimisation: a failure here must not stop the engine (steps compile then)
             logger.warning("attention kernel warm-up failed (kernels will compile on first use): %s", exc)
             return
@@ -258,10 +264,13 @@ class ModelRunner:
     # -- CUDA graphs ------------------------------------------------------------------
 
     def _graphs_wanted(self) -> bool:
+        from paged_backend.kernels.mla_attention import supported as mla_supported
+
         cfg = self.config
         return (self.device.type == "cuda" and not cfg.enforce_eager and self.attn_backend.name == "triton"
                 and (self.tp is None or self.tp.world_size == 1)
-                and self.info.mla is None)  # latent attention's torch reference loops on the host
+                and (self.info.mla is None  # latent attention: only the kernel (its torch fallback loops on the host)
+                     or mla_supported(self.info.mla.kv_lora_rank, self.info.mla.qk_rope_head_dim)))
 
     def _graphs_usable(self) -> bool:
         """Not while an fp8 KV scale still waits for the first batch (the graphs skip that branch)."""
