@@ -491,19 +491,23 @@ def _moe_gemm_kernel(
                               # 3: int4 w (packed [E, N, Kd/8]), its group's scale after each k-step
     SCALE_BN: tl.constexpr = 128,  # QUANT 1: output features per weight-scale block
     INT4_PAIRS: tl.constexpr = False,  # QUANT 3: dequantize two 16-bit values per instruction (GPU)
+    DENSE: tl.constexpr = False,  # one expert, rows in order: a plain GEMM (``dense_gemm``), no routing read
 ):
     pid_m, pid_n = _swizzle(tl.program_id(0), num_pid_m, tl.cdiv(N, BLOCK_N), GROUP_M)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    if SORTED:
+    if SORTED and not DENSE:
         if pid_m * BLOCK_M >= tl.load(ntpp_ptr):
             return  # a tile past the routing's end (the grid is sized for the worst case)
         rows = tl.load(rows_ptr + offs_m)
     else:
         rows = offs_m
     row_ok = rows < num_pairs  # sentinel rows: zeros in, nothing out
-    expert = tl.load(experts_ptr + pid_m).to(tl.int64)
-    if expert < 0:
-        return  # pairs path: a pair of an expert held elsewhere (expert_map -1); its row stays 0
+    if DENSE:
+        expert = 0
+    else:
+        expert = tl.load(experts_ptr + pid_m).to(tl.int64)
+        if expert < 0:
+            return  # pairs path: a pair of an expert held elsewhere (expert_map -1); its row stays 0
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
@@ -566,7 +570,7 @@ def moe_gemm(
     a: torch.Tensor,  # [T, Kd]
     w: torch.Tensor,  # [E, N, Kd]
     out: torch.Tensor,  # [P, N]
-    routing: Routing,
+    routing: Routing | None,  # None: one expert (E = 1), row t = a[t] @ w[0].T (``dense_gemm``)
     config: MoEConfig,
     *,
     pairs_per_row: int = 1,
@@ -585,6 +589,12 @@ def moe_gemm(
     (int32 [E, N, Kd/8]) with its group scales and zeros.
     A building block of ``fused_moe``, which checks the arguments; here only ``out``'s shape."""
     num_experts, n, kd = w.shape
+    dense = routing is None
+    if dense:
+        if num_experts != 1 or not config.sorted:
+            raise ValueError(f"a dense GEMM takes one expert and a tiled config, got {num_experts} experts, "
+                             f"BLOCK_M {config.BLOCK_M}")
+        routing = Routing(a.shape[0], out)  # (expert ids unused)
     check_tensor("out", out, shape=(routing.num_pairs, n))
     if routing.num_pairs == 0 or n == 0:
         return out
@@ -612,7 +622,10 @@ def moe_gemm(
     elif quant:
         strides_s = (a_scale.stride(0), w_scale.stride(0), w_scale.stride(1),
                      w_scale.stride(2) if w_scale.dim() == 3 else 0)
-    if config.sorted:
+    if dense:
+        num_pid_m = triton.cdiv(routing.num_pairs, config.BLOCK_M)
+        rows = ntpp = out  # unused
+    elif config.sorted:
         num_pid_m = routing.expert_ids.numel()
         rows, ntpp = routing.sorted_token_ids, routing.num_tokens_post_padded
     else:
@@ -631,7 +644,7 @@ def moe_gemm(
         DOT_DTYPE=fp8_dot_dtype(a.device, fp8_exact) if quant in (1, 2) else dot_dtype(a.dtype),
         IEEE=a.dtype == torch.float32, QUANT=quant, SCALE_BN=scale_bn,
         INT4_PAIRS=quant == 3 and a.is_cuda and not interpreting() and a.dtype in (torch.bfloat16, torch.float16),
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        DENSE=dense, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     return out
 

@@ -15,7 +15,13 @@ of BLOCK_SIZE tokens a step) with an online softmax::
 All heads of a request share the latents, so a program reads each cached token once for BLOCK_H heads (MQA:
 DeepSeek-V2-Lite's 16 heads in one program). Few rows over long contexts (decode at small batch) split each
 row's blocks over ``splits`` programs (``pick_splits``: two programs per SM); each writes its unnormalised
-fp32 sum and its running max and denominator, and ``_mla_merge_kernel`` combines them by log-sum-exp. DV and DR must be powers of two >= 16 (``supported``);
+fp32 sum and its running max and denominator, and ``_mla_merge_kernel`` combines them by log-sum-exp.
+
+Steps with a prompt chunk (``max_query_len`` > 1) run ``_mla_prefill_kernel`` instead: one program per
+(ROWS consecutive rows of one request, BLOCK_H heads), its ROWS * BLOCK_H query rows sharing each key read,
+BLOCK_N keys a step gathered across cache blocks, causal per row (``prefill_tile_for``). The absorbed form
+costs (DV + DR + DV) / (qk_nope + qk_rope + v) ~ 3.4x the FLOPs of attention over decompressed per-head
+K/V (DeepSeek's dims); it reads no more than the latent cache. DV and DR must be powers of two >= 16 (``supported``);
 ``tl.dot`` needs 16 rows, so BLOCK_H is at least 16 (padded heads load zeros and store nothing). The
 products accumulate in fp32; fp32 queries use full-precision dots.
 """
@@ -153,6 +159,89 @@ def _mla_attention_kernel(
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
 
 
+@triton.jit(do_not_specialize=["H", "tiles_per_req"])
+def _mla_prefill_kernel(
+    q_ptr,  # [T, H, DV + DR]
+    cache_ptr,  # [num_blocks, BLOCK_SIZE, DV + DR]
+    tables_ptr,  # int32 [num_seqs, max_blocks]
+    seq_lens_ptr,  # int32 [num_seqs]
+    qsl_ptr,  # int32 [num_seqs + 1]
+    scale_ptr,  # float32 [] kv_scale
+    out_ptr,  # [T, H, DV]
+    H,
+    tiles_per_req,  # cdiv(max_query_len, ROWS): program p takes rows tile * ROWS.. of request p // tiles_per_req
+    sm_scale,
+    stride_qt,
+    stride_qh,
+    stride_cb,
+    stride_bt,
+    stride_ot,
+    stride_oh,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROWS: tl.constexpr,  # query rows of one request per program: ROWS * BLOCK_H MMA rows
+    BLOCK_N: tl.constexpr,  # keys per step (they may span cache blocks)
+    DV: tl.constexpr,
+    DR: tl.constexpr,
+    DOT_DTYPE: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """Steps with prompt chunks: ROWS consecutive rows of one request x BLOCK_H heads a program, so each key
+    read serves ROWS * BLOCK_H query rows (row r, head h at MMA row r * BLOCK_H + h); causal per row."""
+    pid = tl.program_id(0)
+    req = pid // tiles_per_req
+    tile = pid % tiles_per_req
+    q0 = tl.load(qsl_ptr + req)
+    qlen = tl.load(qsl_ptr + req + 1) - q0
+    if tile * ROWS >= qlen:
+        return  # past this request's rows (the grid is sized for the longest)
+    ctx = tl.load(seq_lens_ptr + req) - qlen
+    M: tl.constexpr = ROWS * BLOCK_H
+    m = tl.arange(0, M)
+    row = tile * ROWS + m // BLOCK_H
+    heads = tl.program_id(1) * BLOCK_H + m % BLOCK_H
+    ok = (row < qlen) & (heads < H)
+    pos = ctx + row  # rows past qlen: beyond every key walked below (no empty softmax)
+    dv = tl.arange(0, DV)
+    dr = tl.arange(0, DR)
+    q_rows = q_ptr + (q0 + row).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + dv[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+    q_pe = tl.load(q_rows + DV + dr[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+    kv_scale = tl.load(scale_ptr)
+    qk_scale = sm_scale * kv_scale
+    m_i = tl.full((M,), float("-inf"), tl.float32)
+    l_i = tl.zeros((M,), tl.float32)
+    acc = tl.zeros((M, DV), tl.float32)
+    n_keys = ctx + tl.minimum(tile * ROWS + ROWS, qlen)  # the tile's last row sees keys 0 .. n_keys - 1
+    table = tables_ptr + req.to(tl.int64) * stride_bt
+    for k0 in range(0, n_keys, BLOCK_N):
+        keys = k0 + tl.arange(0, BLOCK_N)
+        k_ok = keys < n_keys
+        block = tl.load(table + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+        base = cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * (DV + DR)
+        k_lat = tl.load(base + dv[None, :], mask=k_ok[:, None], other=0.0).to(DOT_DTYPE)
+        k_pe = tl.load(base + DV + dr[None, :], mask=k_ok[:, None], other=0.0).to(DOT_DTYPE)
+        if IEEE:
+            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
+        else:
+            s = tl.dot(q_lat, tl.trans(k_lat))
+            s = tl.dot(q_pe, tl.trans(k_pe), s)
+        s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp(s - m_new[:, None])
+        alpha = tl.exp(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if IEEE:
+            acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None], input_precision="ieee")
+        else:
+            acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None])
+        m_i = m_new
+    out = acc / l_i[:, None] * kv_scale
+    o_rows = out_ptr + (q0 + row).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
+    tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
 @triton.jit
 def _mla_merge_kernel(part_ptr, ml_ptr, scale_ptr, out_ptr, H, T, stride_ot, stride_oh, SPLITS: tl.constexpr,
                       DV: tl.constexpr):
@@ -194,8 +283,11 @@ def mla_attention(
     max_seq_len: int | None = None,  # the step's longest request (host int): picks the context split
     splits: int | None = None,  # programs a row's context is split over (default: from max_seq_len)
     rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``row_positions``, if the caller has them
+    max_query_len: int | None = None,  # the step's most new rows of one request (host int); > 1: prefill kernel
+    prefill_tile: tuple[int, int] | None = None,  # (ROWS, BLOCK_N) of the prefill kernel (default: PREFILL_TILE)
 ) -> torch.Tensor:  # [T, H, v_dim]
-    """``mla_attention_ref`` in one launch, or a split launch and a merge (module docstring)."""
+    """``mla_attention_ref`` in one launch, or a split launch and a merge; steps with a prompt chunk
+    (``max_query_len`` > 1) in the prefill kernel (module docstring)."""
     t, h, d = q.shape
     rope = d - v_dim
     if latent_cache.shape[-1] != d or not supported(v_dim, rope):
@@ -204,11 +296,22 @@ def mla_attention(
     out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
-    req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
     if kv_scale is None:
         kv_scale = torch.ones((), dtype=torch.float32, device=q.device)
     block_h = _block_h(h)
     bs = latent_cache.shape[1]
+    if max_query_len is not None and max_query_len > 1:
+        rows_per, block_n = prefill_tile or prefill_tile_for(h)
+        tiles = triton.cdiv(max_query_len, rows_per)
+        _mla_prefill_kernel[(seq_lens.shape[0] * tiles, triton.cdiv(h, block_h))](
+            q, latent_cache, block_tables, seq_lens, query_start_loc, kv_scale, out, h, tiles, scale,
+            q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+            BLOCK_SIZE=bs, BLOCK_H=block_h, ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
+            DOT_DTYPE=dot_dtype(q.dtype), IEEE=q.dtype == torch.float32,
+            num_warps=4 if v_dim <= 128 else 8, num_stages=2 if block_n >= 64 else 3,
+        )
+        return out
+    req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
     max_blocks = -(-(max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs) // bs)
     head_blocks = triton.cdiv(h, block_h)
     if splits is None:
@@ -250,11 +353,23 @@ def warm_up(latent_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int
     for splits in variants:
         mla_attention(q, latent_cache, tables, seq_lens, qsl, d**-0.5, v_dim, kv_scale, max_seq_len=max_blocks * bs,
                       splits=splits)
-    return len(variants)
+    q2 = torch.zeros((2, num_heads, d), dtype=query_dtype, device=dev)  # a two-row chunk: the prefill kernel
+    mla_attention(q2, latent_cache, tables, seq_lens, torch.tensor([0, 2], dtype=torch.int32, device=dev),
+                  d**-0.5, v_dim, kv_scale, max_query_len=2)
+    return len(variants) + 1
 
 
 def _block_h(num_heads: int) -> int:
     return max(16, min(64, next_pow2(num_heads)))
+
+
+PREFILL_ROWS_X_HEADS = 32  # MMA rows a prefill program fills (ROWS query rows x BLOCK_H heads)
+PREFILL_KEYS = 32  # keys a prefill program takes a step
+
+
+def prefill_tile_for(num_heads: int) -> tuple[int, int]:
+    """(ROWS, BLOCK_N) of the prefill kernel for this many heads."""
+    return max(1, PREFILL_ROWS_X_HEADS // _block_h(num_heads)), PREFILL_KEYS
 
 
 SPLIT_MIN_BLOCKS = 8  # cache blocks a split walks at the least
@@ -289,7 +404,8 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
         raise ValueError(f"latent cache block size {latent_cache.shape[1]} != metadata block_size {meta.block_size}")
     write_latent_cache(latent, latent_cache, meta.slot_mapping, kv_scale)
     key = ("mla_rows", query.shape[0])  # once per step, not per layer
-    if key not in meta.step_cache:
+    if key not in meta.step_cache and meta.max_query_len <= 1:  # (the prefill kernel finds its rows itself)
         meta.step_cache[key] = row_positions(meta.seq_lens, meta.query_start_loc, query.shape[0])
     return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,
-                         kv_scale, max_seq_len=meta.max_seq_len, rows=meta.step_cache[key])
+                         kv_scale, max_seq_len=meta.max_seq_len, rows=meta.step_cache.get(key),
+                         max_query_len=meta.max_query_len)

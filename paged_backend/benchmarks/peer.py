@@ -21,6 +21,7 @@ be read against what the best-known kernel reaches::
              same softmax top-k routing; the weight bandwidth counts the experts the batch touches
     mla      latent-attention decode (``peer_mla.py``): ours beside vLLM's FlashMLA, FA3-MLA and
              Triton-MLA kernels
+    fp8      the block-scaled FP8 linear (``peer_fp8.py``): ours beside vLLM's Triton and CUTLASS ones
 
 Every kernel is checked against a torch reference before it is timed (attention:
 ``paged_attention_ref``, for fp8 on the e4m3-rounded q FA3 gets; int4: x times the kernel's
@@ -38,12 +39,12 @@ import math
 import sys
 import time
 
-from paged_backend.benchmarks import peer_mla
+from paged_backend.benchmarks import peer_fp8, peer_mla
 from paged_backend.benchmarks.kernel_bench import Bench, add_attention_grid_args
 from paged_backend.benchmarks.results import Row, parse_ints, run_header
 from paged_backend.benchmarks.timing import GIB, copies_to_touch
 
-GROUPS = ("decode", "prefill", "int4", "moe", "mla")
+GROUPS = ("decode", "prefill", "int4", "moe", "mla", "fp8")
 PEER_TOL = 2e-2  # relative error against the reference
 PEER_TOL_FP8 = 5e-2  # FA3 with fp8 KV also rounds P to e4m3 for the PV product (~2.4e-2 measured)
 
@@ -64,6 +65,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--moe-m", default="1,16,64,256,4096", help="moe: tokens per call")
     p.add_argument("--replays", type=int, default=20)
     peer_mla.add_arguments(p)
+    peer_fp8.add_arguments(p)
 
 
 def add_peer_parser(sub) -> None:
@@ -338,6 +340,9 @@ class PeerBench(Bench):
 
     def mla(self) -> None:
         peer_mla.run(self)
+
+    def fp8(self) -> None:
+        peer_fp8.run(self)
 
     # -- report ---------------------------------------------------------------------------
 

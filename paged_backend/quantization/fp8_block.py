@@ -10,8 +10,8 @@ FP8 checkpoints write them::
 
 The activation quantization is what those models run (and what vLLM does for them): each
 token's inputs are quantized in groups of bk with their own scale. Served by dequantize +
-matmul on every device (a ``torch._scaled_mm`` 1x128 x 128x128 block-scaled path is future
-work). Fused shards (q|k|v, gate|up) must start on a block boundary; under tensor parallelism
+matmul on the CPU (``kernels/fp8_block_gemm_ref.py``), by the Triton block-FP8 GEMM on CUDA
+(``kernels/fp8_block_gemm.py``: the fused-MoE kernel's block-FP8 path over one expert). Fused shards (q|k|v, gate|up) must start on a block boundary; under tensor parallelism
 each rank's slice must be whole blocks.
 """
 
@@ -24,22 +24,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from paged_backend.kernels.fp8_block_gemm_ref import fp8_block_gemm_ref
 from paged_backend.kernels.fp8_quant_ref import (
     FP8_DTYPE,
     FP8_MAX,
-    dequantize_fp8_groups_ref,
     expand_block_scales,
     fp8_scale_from_amax,
-    quantize_fp8_groups_ref,
 )
 from paged_backend.models.parallel import shard_for_rank
 from paged_backend.quantization.base import LinearMethod, check_shard, quant_param
-
-
-def fake_quant_fp8_groups(x: torch.Tensor, group: int) -> torch.Tensor:
-    """Dynamic e4m3 fake quantization with one scale per token and per ``group`` inputs (the last
-    group may be shorter), in x's dtype (``kernels/fp8_quant_ref.py``'s quantize and dequantize)."""
-    return dequantize_fp8_groups_ref(*quantize_fp8_groups_ref(x, group), group).to(x.dtype)
 
 
 class Fp8BlockLinearMethod(LinearMethod):
@@ -94,4 +87,9 @@ class Fp8BlockLinearMethod(LinearMethod):
         return (layer.weight.float() * scale).to(dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        return F.linear(fake_quant_fp8_groups(x, self.bk), self.dequantized_weight(layer, x.dtype), bias)
+        if x.is_cuda:  # the Triton block-FP8 GEMM (e4m3 MMAs, scales per 128 block)
+            from paged_backend.kernels.fp8_block_gemm import fp8_block_gemm as gemm
+        else:
+            gemm = fp8_block_gemm_ref
+        y = gemm(x.reshape(-1, x.shape[-1]), layer.weight, layer.weight_scale_inv, (self.bn, self.bk), bias)
+        return y.view(*x.shape[:-1], y.shape[-1])

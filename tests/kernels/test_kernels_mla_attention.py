@@ -105,6 +105,23 @@ def test_compiled_deepseek_v2_lite_shaped(fp8):
     assert _rel(got.cpu(), want.cpu()) < 2e-2
 
 
+@pytest.mark.cuda
+def test_compiled_prefill_deepseek_v2_lite_shaped():
+    """The prefill kernel at 16 heads, latent 512 + 64: a 300-token prompt, a 200-token chunk after 1000 cached
+    tokens and two decode rows in one step, on the GPU."""
+    seqs, start = [], 1
+    for n, new in [(0, 300), (1000, 200), (700, 1), (64, 1)]:
+        nb = -(-(n + new) // 16)
+        seqs.append((n, new, list(range(start, start + nb))))
+        start += nb
+    for fp8 in (False, True):
+        q, latent, meta, cache, scale = _step(seqs, 16, 512, 64, torch.bfloat16, fp8=fp8, device="cuda")
+        ref_cache = cache.clone()
+        got = mla_forward(q, latent, cache, meta, 0.07, 512, scale)
+        want = mla_forward_ref(q, latent, ref_cache, meta, 0.07, 512, scale)
+        assert _rel(got.cpu(), want.cpu()) < 2e-2
+
+
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_context_splits_merge_to_the_reference(splits, dtype):
@@ -117,6 +134,23 @@ def test_context_splits_merge_to_the_reference(splits, dtype):
         write_latent_cache(latent, cache, meta.slot_mapping, scale)
         got = mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 32, scale,
                             max_seq_len=71, splits=splits)
+        want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 32, scale)
+        assert not got.isnan().any() and _rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
+
+
+@pytest.mark.parametrize("tile", [(1, 16), (2, 32), (4, 64), (8, 16)], ids=lambda t: f"rows{t[0]}-keys{t[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_tiles_match_the_reference(tile, dtype):
+    """The prefill kernel's tiles (rows of one request x keys a step, keys spanning cache blocks): a prompt,
+    chunks after a cached context (rows past a chunk's end in the last tile), a decode row in the same step,
+    20 heads over two head blocks, block size 32; fp8 latents too."""
+    seqs = [(0, 11, [3, 1]), (45, 7, [2, 5, 4]), (30, 1, [6, 7])]
+    for fp8 in (False, True):
+        q, latent, meta, cache, scale = _step(seqs, 20, 32, 16, dtype, block_size=32, fp8=fp8, seed=tile[0])
+        ref_cache = cache.clone()
+        write_latent_cache(latent, cache, meta.slot_mapping, scale)
+        got = mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 32, scale,
+                            max_query_len=11, prefill_tile=tile)
         want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 32, scale)
         assert not got.isnan().any() and _rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
