@@ -33,7 +33,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
-from paged_backend.kernels._launch import dot_dtype, next_pow2
+from paged_backend.kernels._launch import dot_dtype, interpreting, next_pow2
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 
 
@@ -284,7 +284,8 @@ def mla_attention(
     splits: int | None = None,  # programs a row's context is split over (default: from max_seq_len)
     rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``row_positions``, if the caller has them
     max_query_len: int | None = None,  # the step's most new rows of one request (host int); > 1: prefill kernel
-    prefill_tile: tuple[int, int] | None = None,  # (ROWS, BLOCK_N) of the prefill kernel (default: PREFILL_TILE)
+    prefill_tile: tuple[int, int] | None = None,  # (ROWS, BLOCK_N) of the prefill kernel (default: prefill_tile_for)
+    fp8_fp16_dots: bool = True,  # e4m3 cache, 16-bit q: fp16 MMA operands (``mla_dot_dtype``); False: q's dtype
 ) -> torch.Tensor:  # [T, H, v_dim]
     """``mla_attention_ref`` in one launch, or a split launch and a merge; steps with a prompt chunk
     (``max_query_len`` > 1) in the prefill kernel (module docstring)."""
@@ -300,15 +301,16 @@ def mla_attention(
         kv_scale = torch.ones((), dtype=torch.float32, device=q.device)
     block_h = _block_h(h)
     bs = latent_cache.shape[1]
+    dots = mla_dot_dtype(q.dtype, latent_cache.dtype) if fp8_fp16_dots else dot_dtype(q.dtype)
     if max_query_len is not None and max_query_len > 1:
-        rows_per, block_n = prefill_tile or prefill_tile_for(h)
+        rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
         tiles = triton.cdiv(max_query_len, rows_per)
         _mla_prefill_kernel[(seq_lens.shape[0] * tiles, triton.cdiv(h, block_h))](
             q, latent_cache, block_tables, seq_lens, query_start_loc, kv_scale, out, h, tiles, scale,
             q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, BLOCK_H=block_h, ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
-            DOT_DTYPE=dot_dtype(q.dtype), IEEE=q.dtype == torch.float32,
-            num_warps=4 if v_dim <= 128 else 8, num_stages=2 if block_n >= 64 else 3,
+            DOT_DTYPE=dots, IEEE=q.dtype == torch.float32,
+            num_warps=4 if v_dim <= 128 else 8, num_stages=2,
         )
         return out
     req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
@@ -326,7 +328,7 @@ def mla_attention(
         q, latent_cache, block_tables, req, pos, kv_scale, part, ml, h, t, scale, per_split,
         q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, BLOCK_H=block_h, DV=v_dim, DR=rope,
-        DOT_DTYPE=dot_dtype(q.dtype), IEEE=q.dtype == torch.float32, SPLITS=splits,
+        DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits,
         num_warps=4 if v_dim <= 128 else 8,
     )
     if splits > 1:
@@ -363,13 +365,24 @@ def _block_h(num_heads: int) -> int:
     return max(16, min(64, next_pow2(num_heads)))
 
 
-PREFILL_ROWS_X_HEADS = 32  # MMA rows a prefill program fills (ROWS query rows x BLOCK_H heads)
-PREFILL_KEYS = 32  # keys a prefill program takes a step
+PREFILL_ROWS_X_HEADS = 64  # MMA rows a prefill program fills (ROWS query rows x BLOCK_H heads)
+PREFILL_KEYS = 64  # keys a prefill program takes a step
 
 
-def prefill_tile_for(num_heads: int) -> tuple[int, int]:
-    """(ROWS, BLOCK_N) of the prefill kernel for this many heads."""
-    return max(1, PREFILL_ROWS_X_HEADS // _block_h(num_heads)), PREFILL_KEYS
+def prefill_tile_for(num_heads: int, dtype: torch.dtype = torch.bfloat16) -> tuple[int, int]:
+    """(ROWS, BLOCK_N) of the prefill kernel for this many heads: 64 x 64 tiles (the best of 1-4 rows x 16-64
+    keys on the H200, 3-4x the per-row kernel at 16 heads); half of each for fp32 (twice the bytes a tile)."""
+    rows_x_heads, keys = (PREFILL_ROWS_X_HEADS, PREFILL_KEYS) if dtype != torch.float32 else (32, 32)
+    return max(1, rows_x_heads // _block_h(num_heads)), keys
+
+
+def mla_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype):  # -> triton.language.dtype
+    """MMA operand type: q's, except fp16 over an e4m3 cache for 16-bit queries (one conversion instruction
+    per two e4m3 values; to bf16 it takes several: ``bench peer --only mla --mla-fp8`` times both). The
+    absorbed queries stay far inside fp16's range (|q| < 65504), the probabilities in [0, 1]."""
+    if cache_dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16) and not interpreting():
+        return tl.float16
+    return dot_dtype(q_dtype)
 
 
 SPLIT_MIN_BLOCKS = 8  # cache blocks a split walks at the least

@@ -10,7 +10,8 @@ One query token per request over a bf16 latent cache of 576 values a token (kv_l
                  latent as q_v / v (AOT scheduler metadata, at most 32 splits, as under its CUDA graphs)
     Triton-MLA   vLLM's TRITON_MLA backend kernel (``decode_attention_fwd``, its split count rule)
 
-fp8 cells (``--mla-fp8``) time ours and Triton-MLA over an e4m3 cache (scale 1). Every kernel is
+fp8 cells (``--mla-fp8``) time ours (fp16 MMA operands, and q's bf16) and Triton-MLA over an e4m3 cache
+(scale 1). Every kernel is
 checked against ``mla_attention_ref`` on the first requests, then timed as CUDA-graph replays over
 rotating block tables (L2 cannot serve a rerun). The bandwidth counts the latents read plus q and out.
 """
@@ -95,6 +96,9 @@ def _cell(bench: PeerBench, kind: str, h: int, b: int, c: int, caches: dict) -> 
         ref = mla_attention_ref(q[:n], cache, bt[:n], sl[:n], qsl[: n + 1], SCALE, KV_LORA, one)
         calls = {f"ours bs{bs}": lambda s, cache=cache, rows=rows: mla_attention(
             s[0], cache, s[1], s[2], s[3], SCALE, KV_LORA, one, max_seq_len=c, rows=rows)}
+        if fp8:  # the MMA operand choice over an e4m3 cache: fp16 (the default) against q's bf16
+            calls[f"ours bs{bs} bf16 dots"] = lambda s, cache=cache, rows=rows: mla_attention(
+                s[0], cache, s[1], s[2], s[3], SCALE, KV_LORA, one, max_seq_len=c, rows=rows, fp8_fp16_dots=False)
         calls.update(_peers(torch, cache, bs, fp8, c, h, sets, one))
         for who, fn in calls.items():
             try:
