@@ -4,10 +4,10 @@
 store latent / kv_scale). ``mla_attention`` then attends: one program per (query row, BLOCK_H heads), the
 row's request and position found on the device (``row_positions``: no host sync, CUDA-graph capturable).
 Each program loads its heads' absorbed query once, in two parts (the latent's DV dims and the rotary
-DR dims, so D = DV + DR = 576 needs no padding to 1024), and walks the request's cache blocks (one block
-of BLOCK_SIZE tokens a step) with an online softmax::
+DR dims, so D = DV + DR = 576 needs no padding to 1024), and walks the request's keys, BLOCK_N a step
+(``DECODE_KEYS``: gathered across cache blocks through the block table), with an online softmax::
 
-    s   = (q_lat . k_lat + q_pe . k_pe) * scale * kv_scale       [BLOCK_H, BLOCK_SIZE], keys past the row's
+    s   = (q_lat . k_lat + q_pe . k_pe) * scale * kv_scale       [BLOCK_H, BLOCK_N], keys past the row's
                                                                  position masked
     acc = acc * exp(m_old - m_new) + exp(s - m_new) @ k_lat      [BLOCK_H, DV]   (the latent is the value)
     out = acc / l * kv_scale
@@ -78,7 +78,7 @@ def row_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_row
     return req, pos
 
 
-@triton.jit(do_not_specialize=["H", "T", "blocks_per_split"])  # batch sizes: one compile for all
+@triton.jit(do_not_specialize=["H", "T", "keys_per_split"])  # batch sizes: one compile for all
 def _mla_attention_kernel(
     q_ptr,  # [T, H, DV + DR]
     cache_ptr,  # [num_blocks, BLOCK_SIZE, DV + DR]
@@ -91,7 +91,7 @@ def _mla_attention_kernel(
     H,
     T,
     sm_scale,
-    blocks_per_split,
+    keys_per_split,  # a multiple of BLOCK_N
     stride_qt,
     stride_qh,
     stride_cb,
@@ -105,6 +105,7 @@ def _mla_attention_kernel(
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
     SPLITS: tl.constexpr,
+    BLOCK_N: tl.constexpr,  # keys per step (they may span cache blocks)
 ):
     t = tl.program_id(0)
     split = tl.program_id(2)
@@ -122,14 +123,14 @@ def _mla_attention_kernel(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, DV), tl.float32)
-    slots = tl.arange(0, BLOCK_SIZE)
-    first = split * blocks_per_split
-    last = tl.minimum(first + blocks_per_split, pos // BLOCK_SIZE + 1)  # this split's blocks (maybe none)
-    for j in range(first, last):
-        block = tl.load(tables_ptr + req.to(tl.int64) * stride_bt + j).to(tl.int64)
-        keys = j * BLOCK_SIZE + slots
-        ok = keys <= pos
-        base = cache_ptr + block * stride_cb + slots[:, None] * (DV + DR)
+    first = split * keys_per_split
+    last = tl.minimum(first + keys_per_split, pos + 1)  # this split's keys (maybe none)
+    table = tables_ptr + req.to(tl.int64) * stride_bt
+    for k0 in range(first, last, BLOCK_N):
+        keys = k0 + tl.arange(0, BLOCK_N)
+        ok = keys < last
+        block = tl.load(table + keys // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
+        base = cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * (DV + DR)
         k_lat = tl.load(base + dv[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
         k_pe = tl.load(base + DV + dr[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
         if IEEE:
@@ -301,7 +302,7 @@ def mla_attention(
         kv_scale = torch.ones((), dtype=torch.float32, device=q.device)
     block_h = _block_h(h)
     bs = latent_cache.shape[1]
-    dots = mla_dot_dtype(q.dtype, latent_cache.dtype) if fp8_fp16_dots else dot_dtype(q.dtype)
+    dots = mla_dot_dtype(q.dtype, latent_cache.dtype, block_h) if fp8_fp16_dots else dot_dtype(q.dtype)
     if max_query_len is not None and max_query_len > 1:
         rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
         tiles = triton.cdiv(max_query_len, rows_per)
@@ -319,7 +320,8 @@ def mla_attention(
     if splits is None:
         splits = pick_splits(t * head_blocks, max_blocks, _sm_count(q.device))
     splits = max(1, min(next_pow2(splits), next_pow2(max_blocks)))
-    per_split = -(-max_blocks // splits)
+    block_n = DECODE_KEYS if q.dtype != torch.float32 else DECODE_KEYS // 2
+    per_split = triton.cdiv(triton.cdiv(max_blocks * bs, splits), block_n) * block_n  # keys
     part, ml = out, out
     if splits > 1:
         part = torch.empty((splits, t, h, v_dim), dtype=torch.float32, device=q.device)
@@ -328,8 +330,8 @@ def mla_attention(
         q, latent_cache, block_tables, req, pos, kv_scale, part, ml, h, t, scale, per_split,
         q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, BLOCK_H=block_h, DV=v_dim, DR=rope,
-        DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits,
-        num_warps=4 if v_dim <= 128 else 8,
+        DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits, BLOCK_N=block_n,
+        num_warps=4 if v_dim <= 128 else 8, num_stages=2,
     )
     if splits > 1:
         _mla_merge_kernel[(t, h)](part, ml, kv_scale, out, h, t, out.stride(0), out.stride(1), SPLITS=splits,
@@ -365,6 +367,7 @@ def _block_h(num_heads: int) -> int:
     return max(16, min(64, next_pow2(num_heads)))
 
 
+DECODE_KEYS = 64  # keys a decode program takes a step (4 blocks of 16: 2.5x one block a step on the H200)
 PREFILL_ROWS_X_HEADS = 64  # MMA rows a prefill program fills (ROWS query rows x BLOCK_H heads)
 PREFILL_KEYS = 64  # keys a prefill program takes a step
 
@@ -376,11 +379,13 @@ def prefill_tile_for(num_heads: int, dtype: torch.dtype = torch.bfloat16) -> tup
     return max(1, rows_x_heads // _block_h(num_heads)), keys
 
 
-def mla_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype):  # -> triton.language.dtype
-    """MMA operand type: q's, except fp16 over an e4m3 cache for 16-bit queries (one conversion instruction
-    per two e4m3 values; to bf16 it takes several: ``bench peer --only mla --mla-fp8`` times both). The
-    absorbed queries stay far inside fp16's range (|q| < 65504), the probabilities in [0, 1]."""
-    if cache_dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16) and not interpreting():
+def mla_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, block_h: int):  # -> triton.language.dtype
+    """MMA operand type: q's, except fp16 over an e4m3 cache for 16-bit queries in head blocks of at most 32
+    (on the H200 ~1.4x faster than bf16 operands at 16 heads, slower at 64-head blocks:
+    ``bench peer --only mla --mla-fp8`` times both). The absorbed queries stay far inside fp16's range
+    (|q| < 65504), the probabilities in [0, 1]."""
+    if (cache_dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16) and block_h <= 32
+            and not interpreting()):
         return tl.float16
     return dot_dtype(q_dtype)
 

@@ -80,11 +80,11 @@ def _peers(torch, x) -> dict:
     )
 
     def triton_op(w):
-        xq, xs = per_token_group_quant_fp8(x, 128)
+        xq, xs = per_token_group_quant_fp8(x, 128, use_ue8m0=False)  # the checkpoint's fp32 scales
         return w8a8_triton_block_scaled_mm(xq, w[0], xs, w[1], list(BLOCK), torch.bfloat16)
 
     def cutlass_op(w):
-        xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True)
+        xq, xs = per_token_group_quant_fp8(x, 128, column_major_scales=True, use_ue8m0=False)
         return ops.cutlass_scaled_mm(xq, w[0].t(), out_dtype=torch.bfloat16, scale_a=xs, scale_b=w[1].t())
 
     return {"Triton": triton_op, "CUTLASS": cutlass_op}
