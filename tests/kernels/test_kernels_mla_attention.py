@@ -13,8 +13,10 @@ from paged_backend.kernels.mla_attention import (
     mla_attention,
     mla_forward,
     pick_splits,
+    prefill_tile_for,
     row_positions,
     supported,
+    warm_up,
     write_latent_cache,
 )
 from paged_backend.kernels.mla_attention_ref import mla_attention_ref, mla_forward_ref, write_latent_cache_ref
@@ -160,3 +162,9 @@ def test_pick_splits_fills_the_gpu_and_keeps_splits_long():
     assert pick_splits(300, 256, 132) == 1  # enough rows already
     assert pick_splits(1, 4, 132) == 1  # 4 blocks: too short to split
     assert pick_splits(1, 64, 132) == 8
+
+
+def test_prefill_tiles_fill_64_mma_rows_and_the_cpu_warms_nothing():
+    assert prefill_tile_for(16) == (4, 64) and prefill_tile_for(128) == (1, 64) and prefill_tile_for(20) == (2, 64)
+    assert prefill_tile_for(16, torch.float32) == (2, 32)  # fp32: half the tile (twice the bytes)
+    assert warm_up(torch.zeros(4, 16, 48), torch.float32, 4, 32, max_model_len=64) == 0
