@@ -1,7 +1,9 @@
 """OpenAI-compatible request / response models (the wire format of ``/v1``).
 
 Requests accept OpenAI's fields plus vLLM's sampling extras (``top_k``, ``min_p``,
-``repetition_penalty`` ...); unknown fields are ignored like OpenAI does. Types are
+``repetition_penalty`` ...). OpenAI's fields (and vLLM's output-changing extras) that are not
+implemented are refused with a 400 naming them when set to anything but their neutral value
+(``UNSUPPORTED``), never silently ignored; fields unknown to both APIs are ignored, as OpenAI does. Types are
 strict, as OpenAI's are (``true`` is not 1, ``"7"`` is not 7), and text must be valid
 Unicode (a lone surrogate is refused, not passed to the tokenizer). Value ranges are
 checked once, by ``build_sampling_params``, so every error names the user's field.
@@ -12,7 +14,7 @@ from __future__ import annotations
 import time
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
 from paged_backend.sampling_params import MAX_LOGPROBS
@@ -58,6 +60,54 @@ class StreamOptions(OpenAIRequest):
     include_usage: bool = False
 
 
+# Fields of OpenAI's API (and vLLM's extras that change the output) not implemented, with the values that
+# ask for nothing (accepted); any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "response_format": ({"type": "text"},),
+    "tools": ([],),
+    "tool_choice": ("none",),
+    "functions": ([],),
+    "function_call": ("none",),
+    "audio": (),
+    "modalities": (["text"],),
+    "prediction": (),
+    "web_search_options": (),
+    "reasoning_effort": (),
+    "verbosity": (),
+    "store": (False,),
+    "best_of": (1,),
+    "use_beam_search": (False,),
+    "structured_outputs": (),
+    "guided_json": (),
+    "guided_regex": (),
+    "guided_choice": (),
+    "guided_grammar": (),
+    "guided_decoding_backend": (),
+    "guided_whitespace_pattern": (),
+    "prompt_logprobs": (),
+    "bad_words": ([],),
+    "return_token_ids": (False,),
+}
+_WHY = {
+    "response_format": "structured outputs (JSON mode, JSON schema) are not supported yet",
+    "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
+    "functions": "function calling is not supported yet", "function_call": "function calling is not supported yet",
+    "store": "storing responses is not supported", "use_beam_search": "beam search is not supported through this API yet",
+}
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+
+def _refuse_unless_neutral(value: Any, info: ValidationInfo) -> Any:
+    name = info.field_name or "field"
+    if value is None or value in UNSUPPORTED.get(name, ()):
+        return value
+    why = _WHY.get(name) or (
+        "structured outputs are not supported yet" if name.startswith(("guided_", "structured")) else
+        f"'{name}' is not supported by this server")
+    neutral = ", ".join(repr(v) for v in UNSUPPORTED.get(name, ())) or "null"
+    raise ValueError(f"{why}; leave it out (or send {neutral})")
+
+
 class _SamplingFields(OpenAIRequest):
     """Fields shared by chat and completions (OpenAI's, then vLLM's extras); the whole body's
     text is checked for valid Unicode once, here."""
@@ -76,7 +126,12 @@ class _SamplingFields(OpenAIRequest):
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
+    logit_bias: dict[str, float] | None = None  # token id (as a string, OpenAI's JSON) -> bias in [-100, 100]
+    metadata: dict[str, Any] | None = None  # accepted: meaningful only with ``store``
+    service_tier: str | None = None  # accepted: one tier here
+    prompt_cache_key: str | None = None  # accepted: the prefix cache needs no key
+    safety_identifier: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     presence_penalty: float | None = None
@@ -89,11 +144,30 @@ class _SamplingFields(OpenAIRequest):
     min_tokens: int | None = None
     ignore_eos: bool | None = None
     stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool | None = None
     include_stop_str_in_output: bool | None = None
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
                                    description="prefix-cache blocks are shared only among requests of equal salt")
+    # not implemented: refused unless neutral (UNSUPPORTED)
+    use_beam_search: bool | None = None
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: Any = None
+    guided_whitespace_pattern: Any = None
+    prompt_logprobs: Any = None
+    bad_words: Any = None
+    return_token_ids: Any = None
+    store: Any = None
+
+    _refused = field_validator("use_beam_search", "structured_outputs", "guided_json", "guided_regex",
+                               "guided_choice", "guided_grammar", "guided_decoding_backend",
+                               "guided_whitespace_pattern", "prompt_logprobs", "bad_words", "return_token_ids",
+                               "store")(_refuse_unless_neutral)
 
 
 class TextContentPart(OpenAIRequest):
@@ -116,6 +190,22 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    response_format: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: bool | None = None  # accepted: meaningful only with tools
+    functions: Any = None
+    function_call: Any = None
+    audio: Any = None
+    modalities: Any = None
+    prediction: Any = None
+    web_search_options: Any = None
+    reasoning_effort: Any = None
+    verbosity: Any = None
+
+    _refused_chat = field_validator("response_format", "tools", "tool_choice", "functions", "function_call",
+                                    "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
+                                    "verbosity")(_refuse_unless_neutral)
 
 
 class CompletionRequest(_SamplingFields):
@@ -124,6 +214,10 @@ class CompletionRequest(_SamplingFields):
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
+    best_of: int | None = None
+    response_format: Any = None  # vLLM's completions take it too
+
+    _refused_completion = field_validator("best_of", "response_format")(_refuse_unless_neutral)
 
 
 # -- responses ---------------------------------------------------------------------------

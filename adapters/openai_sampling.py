@@ -15,8 +15,24 @@ from .openai_protocol import ChatCompletionRequest, CompletionRequest, _Sampling
 def _common_fields(body: _SamplingFields) -> dict[str, Any]:
     names = ("n", "stop", "seed", "temperature", "top_p", "presence_penalty", "frequency_penalty", "top_k",
              "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "skip_special_tokens",
-             "include_stop_str_in_output")
-    return {k: getattr(body, k) for k in names if getattr(body, k) is not None}
+             "include_stop_str_in_output", "allowed_token_ids")
+    if body.stream_options is not None and not body.stream:
+        raise AdapterError("Stream options can only be defined when `stream=True`.", param="stream_options")
+    fields = {k: getattr(body, k) for k in names if getattr(body, k) is not None}
+    if body.logit_bias:
+        fields["logit_bias"] = _token_keys(body.logit_bias)
+    return fields
+
+
+def _token_keys(bias: dict[str, float]) -> dict[int, float]:
+    """OpenAI's ``logit_bias`` JSON (token ids as object keys) with int keys."""
+    out = {}
+    for key, value in bias.items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise AdapterError(f"logit_bias keys must be token ids, got {key[:40]!r}.", param="logit_bias") from None
+    return out
 
 
 def chat_sampling_params(body: ChatCompletionRequest) -> tuple[SamplingParams, dict[str, str]]:

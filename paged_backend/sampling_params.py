@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 MAX_LOGPROBS = 20
 MAX_STOP_STRINGS = 64  # a stop string is searched for in every new piece of text: both are capped
 MAX_STOP_STRING_CHARS = 1024
+MAX_LOGIT_BIAS = 1024  # entries (OpenAI takes up to 300)
 MAX_STOP_TOKEN_IDS = 1024
 
 
@@ -48,6 +49,8 @@ class SamplingParams(BaseModel):
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
     stop: list[str] = Field(default_factory=list)
     stop_token_ids: list[int] = Field(default_factory=list)
+    logit_bias: dict[int, float] | None = Field(None, description="token id -> added to its logit (-100..100)")
+    allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be sampled")
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -89,12 +92,45 @@ class SamplingParams(BaseModel):
             raise ValueError(f"at most {MAX_STOP_TOKEN_IDS} stop_token_ids are allowed (got {len(v)})")
         return v
 
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_in_range(cls, v: dict[int, float] | None) -> dict[int, float] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_LOGIT_BIAS:
+            raise ValueError(f"at most {MAX_LOGIT_BIAS} logit_bias entries are allowed (got {len(v)})")
+        for t, b in v.items():
+            if t < 0:
+                raise ValueError(f"logit_bias keys must be non-negative token ids (got {t})")
+            if not -100.0 <= b <= 100.0:
+                raise ValueError(f"logit_bias values must lie in [-100, 100] (token {t}: {b})")
+        return v
+
+    @field_validator("allowed_token_ids")
+    @classmethod
+    def _allowed_nonempty(cls, v: list[int] | None) -> list[int] | None:
+        if v is None:
+            return v
+        if not v:
+            raise ValueError("allowed_token_ids must not be empty")
+        if any(t < 0 for t in v):
+            raise ValueError("allowed_token_ids must be non-negative token ids")
+        return v
+
+    @property
+    def biases_logits(self) -> bool:
+        """Whether ``logit_bias`` or ``allowed_token_ids`` change the logits."""
+        return bool(self.logit_bias) or self.allowed_token_ids is not None
+
     @model_validator(mode="after")
     def _consistent(self) -> SamplingParams:
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
+        if self.use_beam_search and self.biases_logits:
+            raise ValueError("logit_bias and allowed_token_ids do not apply to beam search (it ranks the raw "
+                             "logprobs)")
         if self.use_beam_search and self.beam_width < 2 and self.n < 2:
             # beam search with one beam is greedy; allowed, but beam_width follows n
             pass

@@ -7,9 +7,27 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import Any, Protocol
 
 from paged_backend.benchmarks.results import Row, rel_err, report_check
 from paged_backend.benchmarks.timing import GIB, copies_to_touch, do_bench_ms, time_graph_ms
+
+
+class PeerCells(Protocol):
+    """What a ``bench peer`` group module uses of ``PeerBench`` (its device, checks, graph timing,
+    rows and the ours-against-peer pairs), so such a module need not import ``peer``."""
+
+    torch: Any
+    args: argparse.Namespace
+    dev: Any
+
+    def check(self, name: str, got, ref, rel_tol: float) -> bool: ...
+
+    def time_graph_ms(self, fns, replays: int = 20) -> float: ...
+
+    def add(self, row: Row) -> Row: ...
+
+    def pair(self, cell: str, ours: float, peer: float, peer_name: str) -> None: ...
 
 
 class Bench:

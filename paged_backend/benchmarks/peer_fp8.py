@@ -15,13 +15,9 @@ weights (L2 cannot serve a rerun). TFLOP/s counts 2 M N K; small M is bound by t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
+from paged_backend.benchmarks.kernel_bench import PeerCells
 from paged_backend.benchmarks.results import Row, parse_ints
 from paged_backend.benchmarks.timing import GIB, copies_to_touch
-
-if TYPE_CHECKING:
-    from paged_backend.benchmarks.peer import PeerBench
 
 BLOCK = (128, 128)
 TOL = 2e-2
@@ -33,14 +29,14 @@ def add_arguments(p) -> None:
     p.add_argument("--fp8-m", default="1,16,64,256,4096", help="fp8: activation rows")
 
 
-def run(bench: PeerBench) -> None:
+def run(bench: PeerCells) -> None:
     for shape in bench.args.fp8_shapes.split(","):
         n, k = (int(v) for v in shape.lower().split("x"))
         _shape(bench, n, k)
         bench.torch.cuda.empty_cache()
 
 
-def _shape(bench: PeerBench, n: int, k: int) -> None:
+def _shape(bench: PeerCells, n: int, k: int) -> None:
     torch = bench.torch
     from paged_backend.kernels.fp8_block_gemm import fp8_block_gemm
     from paged_backend.kernels.fp8_block_gemm_ref import fp8_block_gemm_ref

@@ -19,13 +19,10 @@ rotating block tables (L2 cannot serve a rerun). The bandwidth counts the latent
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
+from paged_backend.benchmarks.kernel_bench import PeerCells
 from paged_backend.benchmarks.results import Row, parse_ints
 from paged_backend.benchmarks.timing import GIB, copies_to_touch
-
-if TYPE_CHECKING:
-    from paged_backend.benchmarks.peer import PeerBench
 
 KV_LORA, ROPE = 512, 64
 LATENT = KV_LORA + ROPE
@@ -39,7 +36,7 @@ def add_arguments(p) -> None:
     p.add_argument("--mla-fp8", action="store_true", help="mla: also time an e4m3 latent cache")
 
 
-def run(bench: PeerBench) -> None:
+def run(bench: PeerCells) -> None:
     torch = bench.torch
     a = bench.args
     batches, contexts = parse_ints(a.batches), parse_ints(a.mla_contexts)
@@ -73,7 +70,7 @@ def _inputs(torch, dev, b: int, c: int, h: int, bs: int, perm, copy: int):
     return q, bt, sl, qsl
 
 
-def _cell(bench: PeerBench, kind: str, h: int, b: int, c: int, caches: dict) -> None:
+def _cell(bench: PeerCells, kind: str, h: int, b: int, c: int, caches: dict) -> None:
     torch = bench.torch
     from paged_backend.kernels.mla_attention import mla_attention, row_positions
     from paged_backend.kernels.mla_attention_ref import mla_attention_ref

@@ -56,6 +56,12 @@ class InputProcessor:
             raise InvalidRequestError(
                 f"stop_token_ids contains {bad_stop[0]}, outside the vocabulary (size {vocab}).",
                 param="stop_token_ids")
+        for field, tokens in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids",
+                                                                       params.allowed_token_ids or ())):
+            bad = next((t for t in tokens if t >= vocab), None)
+            if bad is not None:
+                raise InvalidRequestError(f"{field} contains token id {bad}, outside the vocabulary (size {vocab}).",
+                                          param=field)
         max_tokens = self._max_tokens(len(ids), params)
         return PreparedRequest(request_id, text, ids, params, max_tokens,
                                time.monotonic() if arrival_time is None else arrival_time, cache_salt)

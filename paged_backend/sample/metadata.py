@@ -40,6 +40,8 @@ class RowSpec(NamedTuple):
     logprobs: int | None
     min_tokens: int
     min_tokens_bans: tuple[int, ...]  # stop / EOS ids banned while output < min_tokens, sorted
+    logit_bias: tuple[tuple[int, float], ...]  # (token, bias) pairs added to the logits
+    allowed: tuple[int, ...] | None  # the only token ids that may be sampled; None: all
 
     @classmethod
     def of(cls, p: SamplingParams, eos_token_ids: tuple[int, ...]) -> RowSpec:
@@ -51,7 +53,8 @@ class RowSpec(NamedTuple):
         greedy = p.greedy
         return cls(greedy, 1.0 if greedy else p.temperature, p.effective_top_k, p.top_p, p.min_p,
                    p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.needs_penalties,
-                   p.logprobs, p.min_tokens, tuple(sorted(bans)))
+                   p.logprobs, p.min_tokens, tuple(sorted(bans)), tuple(sorted((p.logit_bias or {}).items())),
+                   None if p.allowed_token_ids is None else tuple(sorted(set(p.allowed_token_ids))))
 
 
 @dataclass
@@ -115,11 +118,12 @@ def fast_greedy_from(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> 
     """From how many output tokens on a request's row may skip the sampler's stages; None: never.
 
     Such a row's token is the argmax of its raw logits, exactly what the full sampler picks:
-    greedy, no penalties (they change the logits) and no logprobs (nothing else to compute).
+    greedy, no penalties, logit bias or allowed-token mask (they change the logits) and no logprobs
+    (nothing else to compute).
     ``min_tokens`` bans stop / EOS ids only while the output is shorter, and only if there are
     any (``ignore_eos`` without ``stop_token_ids`` bans nothing).
     """
-    if not params.greedy or params.needs_penalties or params.logprobs is not None:
+    if not params.greedy or params.needs_penalties or params.logprobs is not None or params.biases_logits:
         return None
     bans = bool(params.stop_token_ids) or (not params.ignore_eos and bool(eos_token_ids))
     return params.min_tokens if bans else 0
@@ -177,7 +181,7 @@ class BatchPlan:
         self.num_rows = n = len(specs)
         self.vocab_size = v = vocab_size
         (greedy, temperature, top_k, top_p, min_p, repetition, frequency, presence, needs_penalties,
-         logprobs, min_tokens, bans) = zip(*specs, strict=True) if n else ((),) * len(RowSpec._fields)
+         logprobs, min_tokens, bans, biases, allowed) = zip(*specs, strict=True) if n else ((),) * len(RowSpec._fields)
         self.greedy = greedy
         self.all_greedy = all(greedy)
         self.all_random = not any(greedy)
@@ -212,6 +216,19 @@ class BatchPlan:
                         if 0 <= t < v:
                             self.banned_rows.append(i)
                             self.banned_tokens.append(t)
+
+        # logit_bias: (row, token, bias) triples; allowed_token_ids: (row, token) pairs kept in masked rows
+        self.bias_rows: list[int] = []
+        self.bias_tokens: list[int] = []
+        self.bias_values: list[float] = []
+        for i, pairs in enumerate(biases):
+            for t, b in pairs:
+                if t < v:
+                    self.bias_rows.append(i)
+                    self.bias_tokens.append(t)
+                    self.bias_values.append(b)
+        self.allowed_rows = [i for i, a in enumerate(allowed) if a is not None]
+        self.allowed_pairs = [(j, t) for j, i in enumerate(self.allowed_rows) for t in allowed[i] if t < v]
 
         self.logprob_rows = [i for i, lp in enumerate(logprobs) if lp is not None]
         self.num_logprobs = [logprobs[i] or 0 for i in self.logprob_rows]

@@ -39,6 +39,7 @@ from paged_backend.sample.metadata import (
     pack_float64,
     seeded_generator,
     split_flat,
+    to_device,
 )
 from paged_backend.sample.penalties import apply_min_tokens, apply_penalties, token_counts
 
@@ -124,7 +125,19 @@ class Sampler:
     def _apply_history(
         self, x: torch.Tensor, plan: BatchPlan, meta: SamplingMetadata, device: torch.device
     ) -> torch.Tensor:
-        """min_tokens bans, then repetition / presence / frequency penalties."""
+        """allowed_token_ids masks, logit_bias, min_tokens bans, then repetition / presence / frequency
+        penalties (vLLM's order)."""
+        if plan.allowed_rows:
+            rows = plan.index_tensor(plan.allowed_rows, device)
+            keep = torch.zeros((len(plan.allowed_rows), x.shape[1]), dtype=torch.bool, device=device)
+            pairs = plan.index_tensor([c for p in plan.allowed_pairs for c in p], device).view(-1, 2)
+            keep[pairs[:, 0], pairs[:, 1]] = True
+            x = x.index_put((rows,), x[rows].masked_fill(~keep, float("-inf")))
+        if plan.bias_rows:
+            rows = plan.index_tensor(plan.bias_rows, device)
+            toks = plan.index_tensor(plan.bias_tokens, device)
+            vals = to_device(torch.tensor(plan.bias_values, dtype=x.dtype), device)
+            x = x.index_put((rows, toks), vals, accumulate=True)
         if plan.banned_rows:
             rows = plan.index_tensor(plan.banned_rows, device)
             toks = plan.index_tensor(plan.banned_tokens, device)

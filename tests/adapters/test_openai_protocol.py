@@ -52,6 +52,62 @@ def test_no_engine_is_503_and_unknown_route_404(client):
     _error(client.get("/v1/nothing"), 404)
 
 
+REFUSED_CHAT = [
+    ("response_format", {"type": "json_object"}),
+    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
+    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
+    ("tool_choice", "auto"),
+    ("functions", [{"name": "f"}]),
+    ("function_call", "auto"),
+    ("reasoning_effort", "low"),
+    ("modalities", ["text", "audio"]),
+    ("store", True),
+    ("use_beam_search", True),
+    ("structured_outputs", {"choice": ["a", "b"]}),
+    ("guided_json", {"type": "object"}),
+    ("guided_regex", "[a-z]+"),
+    ("guided_choice", ["yes", "no"]),
+    ("prompt_logprobs", 1),
+    ("bad_words", ["x"]),
+]
+
+
+@pytest.mark.parametrize("field,value", REFUSED_CHAT, ids=[f"{f}-{i}" for i, (f, _) in enumerate(REFUSED_CHAT)])
+def test_unimplemented_openai_fields_are_refused_naming_them(client, field, value):
+    err = _error(client.post("/v1/chat/completions", json={"messages": [], field: value}), 400)
+    assert err["param"] == field and "not supported" in err["message"]
+
+
+def test_neutral_values_of_unimplemented_fields_and_harmless_fields_pass(client):
+    body = {"messages": [], "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+            "parallel_tool_calls": True, "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
+            "prompt_cache_key": "p", "modalities": ["text"], "logit_bias": {"5": 1.0}}
+    assert client.post("/v1/chat/completions", json=body).status_code == 503  # valid; no engine here
+    err = _error(client.post("/v1/completions", json={"prompt": "x", "best_of": 3}), 400)
+    assert err["param"] == "best_of"
+
+
+def test_seed_outside_64_bits_is_refused_naming_it(client):
+    err = _error(client.post("/v1/chat/completions", json={"messages": [], "seed": 2**64}), 400)
+    assert err["param"] == "seed"
+
+
+def test_logit_bias_keys_and_stream_options_need_their_context():
+    msgs = [ChatMessage(role="user", content="hi")]
+    params, _ = chat_sampling_params(ChatCompletionRequest(messages=msgs, logit_bias={"50": -100, "7": 2.5},
+                                                           allowed_token_ids=[7, 50]))
+    assert params.logit_bias == {50: -100.0, 7: 2.5} and params.allowed_token_ids == [7, 50]
+    with pytest.raises(AdapterError, match="token ids") as exc:
+        chat_sampling_params(ChatCompletionRequest(messages=msgs, logit_bias={"hello": 1.0}))
+    assert exc.value.param == "logit_bias"
+    with pytest.raises(AdapterError, match=r"\[-100, 100\]") as exc:
+        completion_sampling_params(CompletionRequest(prompt="x", logit_bias={"5": 300.0}))
+    assert exc.value.param == "logit_bias"
+    with pytest.raises(AdapterError, match="stream=True") as exc:
+        completion_sampling_params(CompletionRequest(prompt="x", stream_options={"include_usage": True}))
+    assert exc.value.param == "stream_options"
+
+
 def test_chat_fields_map_to_sampling_params():
     body = ChatCompletionRequest(messages=[ChatMessage(role="user", content="hi")], max_tokens=5,
                                  max_completion_tokens=9, logprobs=True, top_logprobs=3, top_k=4, stop="x", seed=1)

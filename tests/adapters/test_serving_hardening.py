@@ -327,6 +327,24 @@ def test_top_logprobs_must_not_be_negative(http):
     assert err["param"] == "top_logprobs"
 
 
+def test_unimplemented_fields_are_400s_naming_them_and_logit_bias_steers_the_output(http):
+    for field, value in [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
+                         ("guided_choice", ["a"])]:
+        err = _openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, field: value}),
+                            400)
+        assert err["param"] == field and "not supported" in err["message"]
+    body = {"model": MODEL, "prompt": "Hi", "max_tokens": 3, "temperature": 0, "logprobs": 0}
+    plain = http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]["tokens"]
+    forced = http.post("/v1/completions", json={**body, "logit_bias": {"1000": 100}}).json()
+    tokens = forced["choices"][0]["logprobs"]["tokens"]
+    assert len(set(tokens)) == 1 and tokens != plain and forced["choices"][0]["text"] == tokens[0] * 3
+    for extra, param in [({"logit_bias": {"999999": 1}}, "logit_bias"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+                         ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
+                         ({"stream_options": {"include_usage": True}}, "stream_options"), ({"seed": 2**64}, "seed")]:
+        assert _openai_error(http.post("/v1/completions", json={**body, **extra}), 400)["param"] == param
+    _wait_idle(http)
+
+
 def test_empty_body_and_unknown_routes_answer_openai_errors(http):
     err = _openai_error(http.post("/v1/chat/completions", content=b"", headers={"content-type": "application/json"}),
                         400)
@@ -369,6 +387,11 @@ _VALUES = {
     "presence_penalty": st.floats(-3, 3) | _JSON,
     "min_tokens": st.integers(-1, 6) | _JSON,
     "response_format": _JSON,
+    "logit_bias": st.dictionaries(st.integers(-2, 60_000).map(str) | st.text(max_size=4), st.floats(-200, 200),
+                                  max_size=3) | _JSON,
+    "allowed_token_ids": st.lists(st.integers(-2, 60_000), max_size=3) | _JSON,
+    "tools": _JSON,
+    "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _JSON,
 }
 
 

@@ -216,8 +216,10 @@ def test_bad_sampling_parameters_fail_only_their_request(server, offline):
         s.send("bad1", _inputs(PROMPT, stream=False, params={"max_tokens": "-3"}))
         s.send("bad2", _inputs(PROMPT, stream=False, params="{not json"))
         s.send("bad3", _inputs(PROMPT, stream=False, params={"temperature": "hot"}))
+        s.send("bad4", _inputs(PROMPT, stream=False, params={"structured_outputs": {"choice": ["a"]}}))
+        s.send("bad5", _inputs(PROMPT, stream=False, params={"logit_bias": {"999999": 1}}))
         s.send("good", _inputs(PROMPT, stream=False, params=GREEDY, exclude=True))
-        errors = {rid: s.collect(rid)[0] for rid in ("bad1", "bad2", "bad3")}
+        errors = {rid: s.collect(rid)[0] for rid in ("bad1", "bad2", "bad3", "bad4", "bad5")}
         (good,) = s.collect("good")
     finally:
         s.close()
@@ -225,7 +227,24 @@ def test_bad_sampling_parameters_fail_only_their_request(server, offline):
     assert "max_tokens" in errors["bad1"].message() and "greater than or equal to 1" in errors["bad1"].message()
     assert "not valid JSON" in errors["bad2"].message()
     assert "temperature" in errors["bad3"].message()
+    assert "structured_outputs" in errors["bad4"].message()  # not silently ignored
+    assert "logit_bias" in errors["bad5"].message() and "vocabulary" in errors["bad5"].message()
     assert all(isinstance(e, Exception) for e in errors.values())
+
+
+def test_logit_bias_in_sampling_parameters_steers_the_output(server, offline):
+    from paged_backend import SamplingParams
+
+    s = Stream(server)
+    try:
+        s.send("biased", _inputs(PROMPT, stream=False, params={**GREEDY, "max_tokens": 3, "logit_bias": {"1000": 100}},
+                                 exclude=True))
+        (out,) = s.collect("biased")
+    finally:
+        s.close()
+    forced = offline.generate([PROMPT], SamplingParams(max_tokens=3, temperature=0, logit_bias={1000: 100.0}),
+                              use_tqdm=False)[0].outputs[0]
+    assert forced.token_ids == [1000] * 3 and _text(out) == forced.text
 
 
 def _wait_metric(server: TritonServer, name: str, labels: str, pred, timeout: float = 30.0) -> float:

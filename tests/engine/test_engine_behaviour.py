@@ -89,6 +89,28 @@ def test_stop_token_ids_min_tokens_and_ignore_eos(llm):
     assert full.token_ids[: len(chat.token_ids)] == chat.token_ids
 
 
+def test_logit_bias_and_allowed_token_ids_steer_greedy_output(llm):
+    base = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=8, temperature=0), use_tqdm=False)[0].outputs[0]
+    forced = 1000  # an ordinary token the model would not pick here
+    assert forced not in base.token_ids
+    out = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=4, temperature=0, logit_bias={forced: 100.0}),
+                       use_tqdm=False)[0].outputs[0]
+    assert out.token_ids == [forced] * 4
+    # banning the first greedy token changes the first step only to the runner-up
+    banned = llm.generate([PROMPTS[0]], SamplingParams(max_tokens=1, temperature=0, logprobs=2,
+                                                       logit_bias={base.token_ids[0]: -100.0}),
+                          use_tqdm=False)[0].outputs[0]
+    top2 = list(banned.logprobs[0])[:2]  # raw logprobs: the banned token still ranks first
+    assert top2[0] == base.token_ids[0] and banned.token_ids == [top2[1]]
+    allowed = [base.token_ids[2], forced, 7]
+    out = llm.generate([PROMPTS[0], PROMPTS[1]], [SamplingParams(max_tokens=6, temperature=0.8, seed=3,
+                                                                allowed_token_ids=allowed),
+                                                 SamplingParams(max_tokens=8, temperature=0)], use_tqdm=False)
+    assert set(out[0].outputs[0].token_ids) <= set(allowed)
+    assert out[1].outputs[0].token_ids == llm.generate([PROMPTS[1]], SamplingParams(max_tokens=8, temperature=0),
+                                                       use_tqdm=False)[0].outputs[0].token_ids
+
+
 def test_logprobs_and_prompt_logprobs_match_transformers(llm):
     params = SamplingParams(max_tokens=4, temperature=0, logprobs=5, prompt_logprobs=3)
     out = llm.generate([PROMPTS[3]], params, use_tqdm=False)[0]
@@ -182,6 +204,8 @@ def test_bad_requests_are_refused_and_the_engine_keeps_serving(llm):
         ([-3], SamplingParams(), "vocabulary"),
         ("hello " * 9000, SamplingParams(max_tokens=16), "maximum context length"),
         (PROMPTS[0], SamplingParams(max_tokens=eng.max_model_len), "maximum context length"),
+        (PROMPTS[0], SamplingParams(logit_bias={10**6: 1.0}), "logit_bias contains token id 1000000"),
+        (PROMPTS[0], SamplingParams(allowed_token_ids=[5, 10**6]), "allowed_token_ids contains token id"),
     ]
     for prompt, params, msg in cases:
         with pytest.raises(InvalidRequestError, match=msg):

@@ -223,6 +223,41 @@ def test_min_tokens_masks_eos_and_stop_ids() -> None:
     assert out.sampled_logprobs[0] == pytest.approx(raw[2].item(), abs=1e-6)
 
 
+def test_logit_bias_and_allowed_token_ids_change_the_choice_not_the_raw_logprobs() -> None:
+    logits = torch.tensor([[9.0, 8.0, 7.0, 1.0]] * 5)
+    params = [
+        SamplingParams(temperature=0.0, logit_bias={3: 9.0}),  # 1 + 9 = 10 beats 9
+        SamplingParams(temperature=0.0, logit_bias={0: -100.0, 1: -2.0}),  # 7 beats 6
+        SamplingParams(temperature=0.0, allowed_token_ids=[1, 3]),
+        SamplingParams(temperature=0.0, allowed_token_ids=[3, 2], logit_bias={3: 7.0}, logprobs=1),  # 8 beats 7
+        SamplingParams(temperature=0.0),  # a neighbour without either: unchanged
+    ]
+    out = Sampler()(logits, meta_for(params))
+    assert out.sampled_token_ids == [3, 2, 1, 3, 0]
+    raw = torch.log_softmax(logits[3], -1)
+    assert out.sampled_logprobs[3] == pytest.approx(raw[3].item(), abs=1e-6)
+    assert list(out.logprobs[3]) == [0, 3]  # the raw top-1, then the sampled token
+
+
+def test_allowed_token_ids_hold_on_every_random_draw() -> None:
+    logits = torch.zeros(2000, 6)
+    params = [SamplingParams(temperature=1.0, allowed_token_ids=[1, 4], logit_bias={4: -1.0})] * 2000
+    out = Sampler(seed=5)(logits, meta_for(params))
+    counts = [out.sampled_token_ids.count(t) for t in (1, 4)]
+    assert sum(counts) == 2000 and counts[0] > counts[1] > 0  # 1 : e^-1 odds
+
+
+def test_bad_logit_bias_and_allowed_ids_are_refused() -> None:
+    with pytest.raises(ValueError, match=r"\[-100, 100\]"):
+        SamplingParams(logit_bias={1: 101.0})
+    with pytest.raises(ValueError, match="non-negative"):
+        SamplingParams(logit_bias={-1: 1.0})
+    with pytest.raises(ValueError, match="must not be empty"):
+        SamplingParams(allowed_token_ids=[])
+    with pytest.raises(ValueError, match="beam search"):
+        SamplingParams(use_beam_search=True, beam_width=2, logit_bias={1: 1.0})
+
+
 def test_min_tokens_random_rows_never_sample_banned() -> None:
     logits = torch.zeros(2000, 4)  # uniform: bans must hold on every draw
     params = [SamplingParams(temperature=1.0, min_tokens=1, stop_token_ids=[2])] * 2000
@@ -283,6 +318,8 @@ def test_greedy_fast_path_equals_the_full_sampler(device: str, dtype: torch.dtyp
         ({"temperature": 0.0, "min_tokens": 4}, 4),  # bans EOS until then
         ({"temperature": 0.0, "min_tokens": 4, "ignore_eos": True}, 0),  # bans nothing
         ({"temperature": 0.0, "min_tokens": 4, "ignore_eos": True, "stop_token_ids": [7]}, 4),
+        ({"temperature": 0.0, "logit_bias": {3: 1.0}}, None),  # the bias changes the argmax
+        ({"temperature": 0.0, "allowed_token_ids": [3]}, None),
     ],
 )
 def test_fast_greedy_from(kwargs: dict, expected: int | None) -> None:
