@@ -22,7 +22,7 @@ from starlette.responses import JSONResponse
 from .openai_errors import error_body
 from .serving_options import ServingOptions
 
-PROTECTED_PATHS = ("/v1", "/generate", "/stats")
+PROTECTED_PATHS = ("/v1", "/generate", "/stats", "/tokenize", "/detokenize")
 
 
 def _is_under(path: str, prefixes: Sequence[str]) -> bool:

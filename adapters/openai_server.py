@@ -1,5 +1,6 @@
 """The OpenAI-compatible HTTP layer: a FastAPI router for ``/chat/completions``,
-``/completions`` and ``/models``, and the handlers that turn every error into OpenAI's
+``/completions`` and ``/models`` (and vLLM's ``/tokenize``, ``/detokenize``, ``/health``,
+``/version``: ``openai_tokens``), and the handlers that turn every error into OpenAI's
 ``{"error": {"message", "type", "param", "code"}}`` JSON.
 
 The router finds its ``EngineAdapter`` on ``app.state.engine_adapter`` (set with
@@ -33,6 +34,7 @@ from .openai_outputs import completion_logprobs as _completion_logprobs
 from .openai_protocol import ModelCard, ModelList
 from .openai_sampling import chat_sampling_params, completion_sampling_params
 from .openai_state import InflightRequestIds, app_adapter, app_options, attach_adapter
+from .openai_tokens import detokenize, health, tokenize, version
 from .serving_options import ServingOptions
 
 __all__ = [
@@ -113,4 +115,8 @@ _ROUTES: dict[str, tuple[Callable[..., Any], str]] = {
     "/models": (list_models, "GET"),
     "/chat/completions": (create_chat_completion, "POST"),
     "/completions": (create_completion, "POST"),
+    "/tokenize": (tokenize, "POST"),  # vLLM's extra routes (openai_tokens.py); at the root too via RootRoutes
+    "/detokenize": (detokenize, "POST"),
+    "/health": (health, "GET"),
+    "/version": (version, "GET"),
 }

@@ -17,6 +17,7 @@ from paged_backend.adapters.bentoml_service import ServeArgs, merge_metrics, nat
 from paged_backend.adapters.http_guard import ServingGuard
 from paged_backend.adapters.lifecycle import drain_on_sigterm, exit_with_parent, stop_parent_on_load_error
 from paged_backend.adapters.openai_server import attach_adapter, create_openai_app
+from paged_backend.adapters.root_routes import RootRoutes
 from paged_backend.adapters.uvicorn_guard import install as install_uvicorn_guard
 
 args = bentoml.use_arguments(ServeArgs)
@@ -78,3 +79,4 @@ class PagedLLM:
 
 # API keys, body size and read time on /v1, /generate and /stats (health and /metrics stay open)
 PagedLLM.add_asgi_middleware(ServingGuard, options=args.serving_options())
+PagedLLM.add_asgi_middleware(RootRoutes, prefix="/v1")  # vLLM's /health, /version, /tokenize, /detokenize

@@ -50,6 +50,8 @@ def test_mistyped_field_is_400(client):
 def test_no_engine_is_503_and_unknown_route_404(client):
     assert _error(client.get("/v1/models"), 503)["type"] == "service_unavailable_error"
     _error(client.get("/v1/nothing"), 404)
+    assert client.get("/v1/health").status_code == 503 and client.get("/v1/version").status_code == 200
+    _error(client.post("/v1/tokenize", json={"prompt": "x"}), 503)
 
 
 REFUSED_CHAT = [

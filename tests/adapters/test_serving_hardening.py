@@ -126,6 +126,8 @@ def test_a_duplicate_in_flight_request_id_is_a_400(server, http):
     ("POST", "/v1/completions", {"model": MODEL, "prompt": "Hi", "max_tokens": 2}),
     ("POST", "/generate", {"prompt": "Hi", "max_tokens": 2}),
     ("POST", "/stats", {}),
+    ("POST", "/tokenize", {"prompt": "Hi"}),
+    ("POST", "/detokenize", {"tokens": [1, 2]}),
 ])
 def test_api_key_is_required_on_every_api_route(server, method, path, body):
     for headers in ({}, {"authorization": "Bearer wrong"}, {"authorization": KEYS[0]}):
@@ -139,8 +141,23 @@ def test_api_key_is_required_on_every_api_route(server, method, path, body):
 
 
 def test_health_and_metrics_stay_open(server):
-    for path in ("/livez", "/readyz", "/metrics"):
+    for path in ("/livez", "/readyz", "/metrics", "/health", "/version"):
         assert httpx.get(f"{server.url}{path}", timeout=30).status_code == 200, path
+    assert httpx.get(f"{server.url}/version", timeout=30).json()["version"]
+
+
+def test_tokenize_and_detokenize_as_vllm_serves_them(http):
+    out = http.post("/tokenize", json={"model": MODEL, "prompt": "Hello world", "return_token_strs": True}).json()
+    assert out["count"] == len(out["tokens"]) == len(out["token_strs"]) and out["max_model_len"] == 1024
+    assert http.post("/detokenize", json={"tokens": out["tokens"]}).json() == {"prompt": "Hello world"}
+    chat = http.post("/tokenize", json={"messages": CHAT}).json()
+    first = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 1}).json()
+    assert chat["count"] == first["usage"]["prompt_tokens"] and chat["token_strs"] is None
+    for path, body, param in [("/detokenize", {"tokens": [10**7]}, "tokens"), ("/tokenize", {}, "prompt"),
+                              ("/tokenize", {"prompt": "x", "messages": CHAT}, "messages"),
+                              ("/tokenize", {"prompt": "x", "model": "other"}, "model")]:
+        resp = http.post(path, json=body)
+        assert resp.status_code in (400, 404) and _openai_error(resp, resp.status_code)["param"] == param
 
 
 # -- sizes and time ------------------------------------------------------------------------
