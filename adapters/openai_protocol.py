@@ -3,7 +3,8 @@
 Requests accept OpenAI's fields plus vLLM's sampling extras (``top_k``, ``min_p``,
 ``repetition_penalty`` ...). OpenAI's fields (and vLLM's output-changing extras) that are not
 implemented are refused with a 400 naming them when set to anything but their neutral value
-(``UNSUPPORTED``), never silently ignored; fields unknown to both APIs are ignored, as OpenAI does. Types are
+(``UNSUPPORTED``), never silently ignored; structured outputs (``response_format``, ``structured_outputs``,
+``guided_*``) become ``SamplingParams.structured_outputs`` (``openai_sampling``); fields unknown to both APIs are ignored, as OpenAI does. Types are
 strict, as OpenAI's are (``true`` is not 1, ``"7"`` is not 7), and text must be valid
 Unicode (a lone surrogate is refused, not passed to the tokenizer). Value ranges are
 checked once, by ``build_sampling_params``, so every error names the user's field.
@@ -63,7 +64,6 @@ class StreamOptions(OpenAIRequest):
 # Fields of OpenAI's API (and vLLM's extras that change the output) not implemented, with the values that
 # ask for nothing (accepted); any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "response_format": ({"type": "text"},),
     "tools": ([],),
     "tool_choice": ("none",),
     "functions": ([],),
@@ -77,19 +77,13 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "store": (False,),
     "best_of": (1,),
     "use_beam_search": (False,),
-    "structured_outputs": (),
-    "guided_json": (),
-    "guided_regex": (),
-    "guided_choice": (),
-    "guided_grammar": (),
-    "guided_decoding_backend": (),
+    "guided_decoding_backend": ("auto", "xgrammar"),
     "guided_whitespace_pattern": (),
     "prompt_logprobs": (),
     "bad_words": ([],),
     "return_token_ids": (False,),
 }
 _WHY = {
-    "response_format": "structured outputs (JSON mode, JSON schema) are not supported yet",
     "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
     "functions": "function calling is not supported yet", "function_call": "function calling is not supported yet",
     "store": "storing responses is not supported", "use_beam_search": "beam search is not supported through this API yet",
@@ -101,9 +95,7 @@ def _refuse_unless_neutral(value: Any, info: ValidationInfo) -> Any:
     name = info.field_name or "field"
     if value is None or value in UNSUPPORTED.get(name, ()):
         return value
-    why = _WHY.get(name) or (
-        "structured outputs are not supported yet" if name.startswith(("guided_", "structured")) else
-        f"'{name}' is not supported by this server")
+    why = _WHY.get(name) or f"'{name}' is not supported by this server"
     neutral = ", ".join(repr(v) for v in UNSUPPORTED.get(name, ())) or "null"
     raise ValueError(f"{why}; leave it out (or send {neutral})")
 
@@ -150,13 +142,14 @@ class _SamplingFields(OpenAIRequest):
     request_id: str | None = Field(None, min_length=1, max_length=MAX_REQUEST_ID_CHARS)
     cache_salt: str | None = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS,
                                    description="prefix-cache blocks are shared only among requests of equal salt")
+    # structured outputs (vLLM's names; OpenAI's ``response_format`` on each route): at most one of them
+    structured_outputs: dict[str, Any] | None = None  # json / json_object / regex / choice / grammar
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     # not implemented: refused unless neutral (UNSUPPORTED)
     use_beam_search: bool | None = None
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
     prompt_logprobs: Any = None
@@ -164,10 +157,8 @@ class _SamplingFields(OpenAIRequest):
     return_token_ids: Any = None
     store: Any = None
 
-    _refused = field_validator("use_beam_search", "structured_outputs", "guided_json", "guided_regex",
-                               "guided_choice", "guided_grammar", "guided_decoding_backend",
-                               "guided_whitespace_pattern", "prompt_logprobs", "bad_words", "return_token_ids",
-                               "store")(_refuse_unless_neutral)
+    _refused = field_validator("use_beam_search", "guided_decoding_backend", "guided_whitespace_pattern",
+                               "prompt_logprobs", "bad_words", "return_token_ids", "store")(_refuse_unless_neutral)
 
 
 class TextContentPart(OpenAIRequest):
@@ -190,7 +181,7 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
-    response_format: Any = None
+    response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None  # accepted: meaningful only with tools
@@ -203,7 +194,7 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
 
-    _refused_chat = field_validator("response_format", "tools", "tool_choice", "functions", "function_call",
+    _refused_chat = field_validator("tools", "tool_choice", "functions", "function_call",
                                     "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
                                     "verbosity")(_refuse_unless_neutral)
 
@@ -215,9 +206,9 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
-    response_format: Any = None  # vLLM's completions take it too
+    response_format: dict[str, Any] | None = None  # vLLM's completions take it too
 
-    _refused_completion = field_validator("best_of", "response_format")(_refuse_unless_neutral)
+    _refused_completion = field_validator("best_of")(_refuse_unless_neutral)
 
 
 # -- responses ---------------------------------------------------------------------------

@@ -24,6 +24,40 @@ def _common_fields(body: _SamplingFields) -> dict[str, Any]:
     return fields
 
 
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+
+
+def structured_outputs(body: _SamplingFields) -> tuple[dict[str, Any] | None, str]:
+    """The request's structured-output spec (``StructuredOutputsParams``' fields) and the field it came from:
+    ``response_format`` (json_object, or json_schema's ``schema``), ``structured_outputs`` or a ``guided_*``
+    field; more than one is a 400."""
+    found: list[tuple[dict[str, Any], str]] = []
+    fmt = getattr(body, "response_format", None)
+    if fmt is not None:
+        kind = fmt.get("type")
+        if kind == "json_object":
+            found.append(({"json_object": True}, "response_format"))
+        elif kind == "json_schema":
+            schema = (fmt.get("json_schema") or {}).get("schema") if isinstance(fmt.get("json_schema"), dict) else None
+            if not isinstance(schema, dict | bool):
+                raise AdapterError("response_format of type json_schema needs json_schema.schema, a JSON schema "
+                                   "object.", param="response_format")
+            found.append(({"json": schema if isinstance(schema, dict) else {}}, "response_format"))
+        elif kind != "text":
+            raise AdapterError(f"response_format.type must be 'text', 'json_object' or 'json_schema' (got "
+                               f"{str(kind)[:40]!r}).", param="response_format")
+    if body.structured_outputs is not None:
+        found.append((dict(body.structured_outputs), "structured_outputs"))
+    for name, key in _GUIDED.items():
+        value = getattr(body, name)
+        if value is not None:
+            found.append(({key: value}, name))
+    if len(found) > 1:
+        raise AdapterError(f"Send one structured-output constraint, not {', '.join(f for _, f in found)}.",
+                           param=found[1][1])
+    return found[0] if found else (None, "structured_outputs")
+
+
 def _token_keys(bias: dict[str, float]) -> dict[int, float]:
     """OpenAI's ``logit_bias`` JSON (token ids as object keys) with int keys."""
     out = {}
@@ -46,6 +80,7 @@ def chat_sampling_params(body: ChatCompletionRequest) -> tuple[SamplingParams, d
     if body.top_logprobs is not None and body.top_logprobs > 0 and not body.logprobs:
         raise AdapterError("When using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
+    fields["structured_outputs"], names["structured_outputs"] = structured_outputs(body)
     return build_sampling_params(fields, field_names=names), names
 
 
@@ -55,4 +90,6 @@ def completion_sampling_params(body: CompletionRequest) -> tuple[SamplingParams,
     fields["logprobs"] = body.logprobs
     if body.echo and body.logprobs is not None:
         fields["prompt_logprobs"] = body.logprobs
-    return build_sampling_params(fields, field_names={"prompt_logprobs": "logprobs"}), {"prompt_logprobs": "logprobs"}
+    names = {"prompt_logprobs": "logprobs"}
+    fields["structured_outputs"], names["structured_outputs"] = structured_outputs(body)
+    return build_sampling_params(fields, field_names=names), names

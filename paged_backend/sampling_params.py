@@ -7,6 +7,7 @@ whose message names the field. Adapters turn that into a 400 / InvalidArgument.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -31,6 +32,36 @@ class RequestOutputKind(enum.IntEnum):
     FINAL_ONLY = 2
 
 
+_KINDS = {"json": "json_schema", "json_object": "json_object", "regex": "regex", "choice": "choice",
+          "grammar": "grammar"}  # vLLM's key -> field
+
+
+class StructuredOutputsParams(BaseModel):
+    """A constraint on the output (vLLM's ``structured_outputs``): exactly one of a JSON schema, any JSON
+    object, a regex, a choice among strings or an EBNF grammar (``sample/grammar.py`` compiles it)."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    json_schema: dict[str, Any] | str | None = Field(None, alias="json",
+                                                     description="a JSON schema (object or its text)")
+    json_object: bool | None = Field(None, description="any JSON object")
+    regex: str | None = None
+    choice: list[str] | None = Field(None, min_length=1)
+    grammar: str | None = Field(None, description="an EBNF (GBNF) grammar")
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> StructuredOutputsParams:
+        given = [k for k in _KINDS if getattr(self, _KINDS[k]) not in (None, False)]
+        if len(given) != 1:
+            raise ValueError("structured_outputs takes exactly one of json, json_object, regex, choice, grammar "
+                             f"(got {', '.join(given) or 'none'})")
+        return self
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in _KINDS if getattr(self, _KINDS[k]) not in (None, False))
+
+
 class SamplingParams(BaseModel):
     """How to turn logits into tokens, and when to stop."""
 
@@ -51,6 +82,7 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[int, float] | None = Field(None, description="token id -> added to its logit (-100..100)")
     allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be sampled")
+    structured_outputs: StructuredOutputsParams | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
@@ -128,6 +160,8 @@ class SamplingParams(BaseModel):
             raise ValueError(
                 f"min_tokens ({self.min_tokens}) must be <= max_tokens ({self.max_tokens})"
             )
+        if self.use_beam_search and self.structured_outputs is not None:
+            raise ValueError("structured_outputs do not apply to beam search")
         if self.use_beam_search and self.biases_logits:
             raise ValueError("logit_bias and allowed_token_ids do not apply to beam search (it ranks the raw "
                              "logprobs)")

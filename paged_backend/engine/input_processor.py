@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 import torch
 
@@ -13,6 +14,7 @@ from paged_backend.core.request import Request
 from paged_backend.engine.detokenizer import IncrementalDetokenizer
 from paged_backend.engine.request_state import NEVER, PreparedRequest, RequestGroup, SampleState
 from paged_backend.errors import InvalidRequestError
+from paged_backend.sample.grammar import GrammarCompiler, RequestGrammar
 from paged_backend.sample.sampler import RowSpec, fast_greedy_from
 from paged_backend.sampling_params import SamplingParams
 
@@ -36,6 +38,27 @@ class InputProcessor:
         self.device = device
         # a text longer than this (UTF-8 bytes) has more than max_model_len tokens: refused untokenized
         self.max_prompt_bytes = max_model_len * max_token_bytes(tokenizer) if tokenizer else 0
+        self._grammars: GrammarCompiler | None = None  # made at the first structured-output request
+
+    def _compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled grammar of ``params.structured_outputs`` (None without); InvalidRequestError if bad."""
+        spec = params.structured_outputs
+        if spec is None:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequestError("structured outputs need the model's tokenizer; this model has none.",
+                                      param="structured_outputs")
+        if self._grammars is None:
+            try:
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+            except ImportError:
+                raise InvalidRequestError("structured outputs need the xgrammar package on this server "
+                                          "(pip install 'paged-backend[structured]').",
+                                          param="structured_outputs") from None
+        try:
+            return self._grammars.compile(spec)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="structured_outputs") from None
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -64,7 +87,8 @@ class InputProcessor:
                                           param=field)
         max_tokens = self._max_tokens(len(ids), params)
         return PreparedRequest(request_id, text, ids, params, max_tokens,
-                               time.monotonic() if arrival_time is None else arrival_time, cache_salt)
+                               time.monotonic() if arrival_time is None else arrival_time, cache_salt,
+                               grammar=self._compile_grammar(params))
 
     def _prompt_ids(self, prompt: str | list[int] | None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -151,7 +175,8 @@ class InputProcessor:
         max_output = min(prep.max_tokens, self.max_model_len - len(prep.prompt_token_ids))
         return SampleState(req, gen, detok, RowSpec.of(params, self.eos_token_ids), max_output,
                            fast_from=NEVER if fast_from is None else fast_from,
-                           stop_ids=frozenset(stop_ids), wants_logprobs=params.logprobs is not None)
+                           stop_ids=frozenset(stop_ids), wants_logprobs=params.logprobs is not None,
+                           grammar=RequestGrammar(prep.grammar) if prep.grammar is not None else None)
 
 
 def max_token_bytes(tokenizer) -> int:

@@ -9,12 +9,14 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from paged_backend.core.request import Request
 from paged_backend.engine.detokenizer import IncrementalDetokenizer
 from paged_backend.outputs import LogprobsDict
+from paged_backend.sample.grammar import RequestGrammar
 from paged_backend.sample.sampler import RowSpec
 from paged_backend.sampling_params import RequestOutputKind, SamplingParams
 
@@ -32,6 +34,7 @@ class PreparedRequest:
     max_tokens: int
     arrival_time: float
     cache_salt: str | None = None
+    grammar: Any = None  # the compiled grammar of ``params.structured_outputs`` (sample/grammar.py)
 
 
 @dataclass(eq=False)
@@ -52,6 +55,7 @@ class SampleState:
     fast_from: int = NEVER
     stop_ids: frozenset[int] = frozenset()
     wants_logprobs: bool = False
+    grammar: RequestGrammar | None = None  # structured outputs: this sample's matcher
     # DELTA: what is new since the last output; CUMULATIVE / FINAL_ONLY: logprobs and text so far
     new_token_ids: list[int] = field(default_factory=list)
     new_logprobs: list[LogprobsDict] = field(default_factory=list)

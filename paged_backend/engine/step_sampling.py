@@ -14,6 +14,7 @@ import torch
 
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.engine.request_state import RequestGroup, Row
+from paged_backend.sample.grammar import apply_grammars
 from paged_backend.sample.sampler import DeviceSample, Sampler, SamplerOutput, SamplingMetadata
 from paged_backend.worker.runner import ModelOutput
 
@@ -53,6 +54,12 @@ class StepSampler:
         """Sample the step's rows (``index``: their logits rows when forks repeat some). Async:
         queued on the device; otherwise (async off, or samples still to fork) at once, on the host."""
         logits, rows = launched.out.logits, launched.rows
+        constrained = [(i, s.grammar, s.request.output_token_ids) for i, (_, s) in enumerate(rows)
+                       if s.grammar is not None and not s.request.is_finished]
+        if constrained:  # structured outputs: the grammars' masks, in place, on the rows' own logits
+            if index is not None:
+                logits, index = logits[torch.tensor(index, device=logits.device)], None
+            apply_grammars(logits, constrained)
         # every row plain greedy by now: argmax only (the per-row checks below are all it costs)
         fast = True
         for _, sample in rows:

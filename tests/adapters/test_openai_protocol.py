@@ -55,8 +55,6 @@ def test_no_engine_is_503_and_unknown_route_404(client):
 
 
 REFUSED_CHAT = [
-    ("response_format", {"type": "json_object"}),
-    ("response_format", {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}),
     ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
     ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]),
@@ -65,10 +63,8 @@ REFUSED_CHAT = [
     ("modalities", ["text", "audio"]),
     ("store", True),
     ("use_beam_search", True),
-    ("structured_outputs", {"choice": ["a", "b"]}),
-    ("guided_json", {"type": "object"}),
-    ("guided_regex", "[a-z]+"),
-    ("guided_choice", ["yes", "no"]),
+    ("guided_decoding_backend", "outlines"),
+    ("guided_whitespace_pattern", " "),
     ("prompt_logprobs", 1),
     ("bad_words", ["x"]),
 ]
@@ -81,12 +77,39 @@ def test_unimplemented_openai_fields_are_refused_naming_them(client, field, valu
 
 
 def test_neutral_values_of_unimplemented_fields_and_harmless_fields_pass(client):
-    body = {"messages": [], "response_format": {"type": "text"}, "tools": [], "tool_choice": "none",
+    body = {"messages": [], "response_format": {"type": "json_object"}, "tools": [], "tool_choice": "none",
             "parallel_tool_calls": True, "store": False, "metadata": {"k": "v"}, "service_tier": "auto",
             "prompt_cache_key": "p", "modalities": ["text"], "logit_bias": {"5": 1.0}}
     assert client.post("/v1/chat/completions", json=body).status_code == 503  # valid; no engine here
     err = _error(client.post("/v1/completions", json={"prompt": "x", "best_of": 3}), 400)
     assert err["param"] == "best_of"
+
+
+def test_structured_outputs_come_from_response_format_structured_outputs_or_guided_fields():
+    msgs = [ChatMessage(role="user", content="hi")]
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [({"response_format": {"type": "json_object"}}, "json_object", True),
+             ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+              "json", schema),
+             ({"structured_outputs": {"regex": "[a-z]+"}}, "regex", "[a-z]+"),
+             ({"guided_choice": ["yes", "no"]}, "choice", ["yes", "no"]),
+             ({"guided_json": schema}, "json", schema), ({"guided_grammar": 'root ::= "a"'}, "grammar", 'root ::= "a"')]
+    for extra, kind, value in cases:
+        spec = chat_sampling_params(ChatCompletionRequest(messages=msgs, **extra))[0].structured_outputs
+        assert spec.kind == kind and getattr(spec, "json_schema" if kind == "json" else kind) == value
+    plain = chat_sampling_params(ChatCompletionRequest(messages=msgs, response_format={"type": "text"}))[0]
+    assert plain.structured_outputs is None
+    spec = completion_sampling_params(CompletionRequest(prompt="x", guided_regex="a+"))[0].structured_outputs
+    assert spec.regex == "a+"
+    for extra, param in [({"response_format": {"type": "xml"}}, "response_format"),
+                         ({"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+                          "response_format"),
+                         ({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "guided_regex"),
+                         ({"structured_outputs": {"regex": "a", "choice": ["b"]}}, "structured_outputs"),
+                         ({"structured_outputs": {"xml": "a"}}, "structured_outputs")]:
+        with pytest.raises(AdapterError) as exc:
+            chat_sampling_params(ChatCompletionRequest(messages=msgs, **extra))
+        assert exc.value.param.split(".")[0] == param, (extra, exc.value.message)
 
 
 def test_seed_outside_64_bits_is_refused_naming_it(client):

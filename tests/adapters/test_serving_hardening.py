@@ -345,8 +345,7 @@ def test_top_logprobs_must_not_be_negative(http):
 
 
 def test_unimplemented_fields_are_400s_naming_them_and_logit_bias_steers_the_output(http):
-    for field, value in [("response_format", {"type": "json_object"}), ("tools", [{"type": "function"}]),
-                         ("guided_choice", ["a"])]:
+    for field, value in [("tools", [{"type": "function"}]), ("reasoning_effort", "high")]:
         err = _openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, field: value}),
                             400)
         assert err["param"] == field and "not supported" in err["message"]
@@ -359,6 +358,26 @@ def test_unimplemented_fields_are_400s_naming_them_and_logit_bias_steers_the_out
                          ({"allowed_token_ids": [10**7]}, "allowed_token_ids"),
                          ({"stream_options": {"include_usage": True}}, "stream_options"), ({"seed": 2**64}, "seed")]:
         assert _openai_error(http.post("/v1/completions", json={**body, **extra}), 400)["param"] == param
+    _wait_idle(http)
+
+
+def test_structured_outputs_through_the_openai_routes(http):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 30}}, "required": ["city"],
+              "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}
+    resp = http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 40,
+                                                   "temperature": 0, "response_format": fmt})
+    assert set(json.loads(resp.json()["choices"][0]["message"]["content"])) == {"city"}
+    resp = http.post("/v1/completions", json={"model": MODEL, "prompt": "Is the sky blue?", "max_tokens": 5,
+                                              "n": 3, "temperature": 1.0, "guided_choice": ["yes", "no"]})
+    assert {c["text"] for c in resp.json()["choices"]} <= {"yes", "no"}
+    for extra, param in [({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema":
+                                                                                       {"type": "nonsense"}}}},
+                          "response_format"),
+                         ({"structured_outputs": {"regex": "(unclosed"}}, "structured_outputs"),
+                         ({"guided_regex": "a", "guided_choice": ["b"]}, "guided_choice")]:
+        err = _openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, **extra}), 400)
+        assert err["param"] == param, err
     _wait_idle(http)
 
 
@@ -408,6 +427,8 @@ _VALUES = {
                                   max_size=3) | _JSON,
     "allowed_token_ids": st.lists(st.integers(-2, 60_000), max_size=3) | _JSON,
     "tools": _JSON,
+    "guided_choice": st.lists(st.text(max_size=4), max_size=3) | _JSON,
+    "structured_outputs": st.fixed_dictionaries({"regex": st.sampled_from(["[a-c]+", "(x", "y?"])}) | _JSON,
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}) | _JSON,
 }
 
