@@ -14,7 +14,7 @@ import torch
 
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.engine.request_state import RequestGroup, Row
-from paged_backend.sample.grammar import apply_grammars
+from paged_backend.sample.grammar import RequestGrammar, apply_grammars
 from paged_backend.sample.sampler import DeviceSample, Sampler, SamplerOutput, SamplingMetadata
 from paged_backend.worker.runner import ModelOutput
 
@@ -55,7 +55,7 @@ class StepSampler:
         queued on the device; otherwise (async off, or samples still to fork) at once, on the host."""
         logits, rows = launched.out.logits, launched.rows
         constrained = [(i, s.grammar, s.request.output_token_ids) for i, (_, s) in enumerate(rows)
-                       if s.grammar is not None and not s.request.is_finished]
+                       if s.grammar is not None and not s.request.is_finished] if RequestGrammar.live else ()
         if constrained:  # structured outputs: the grammars' masks, in place, on the rows' own logits
             if index is not None:
                 logits, index = logits[torch.tensor(index, device=logits.device)], None

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import re
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -58,11 +59,15 @@ class GrammarCompiler:
 
 
 class RequestGrammar:
-    """One sample's position in its grammar."""
+    """One sample's position in its grammar. ``live`` holds every matcher still referenced (by any
+    engine of the process): while it is empty a step skips the scan for constrained rows."""
+
+    live: weakref.WeakSet[RequestGrammar] = weakref.WeakSet()
 
     def __init__(self, compiled: Any) -> None:
         import xgrammar as xgr
 
+        RequestGrammar.live.add(self)
         self._matcher = xgr.GrammarMatcher(compiled)
         self.accepted = 0  # output tokens the matcher has seen
         self.broken = False  # a token outside the grammar arrived (not sampled under its mask)
