@@ -130,8 +130,9 @@ class PrometheusMetrics:
     """A private prometheus_client registry: histograms fed by timers, the rest read at scrape."""
 
     def __init__(self, model_name: str, stats: Callable[[], Mapping[str, float]] | None = None) -> None:
-        from prometheus_client import CollectorRegistry, Counter, Histogram
+        from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 
+        disable_created_metrics()  # as vLLM does: no "*_created" gauge family beside every counter / histogram
         self.model_name = model_name
         self.stats_fn = stats
         self.registry = CollectorRegistry(auto_describe=True)

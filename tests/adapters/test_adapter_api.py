@@ -8,7 +8,7 @@ import contextlib
 import pydantic
 import pytest
 from paged_backend.adapters.api import AdapterError, EngineAdapter, build_sampling_params, to_adapter_error
-from paged_backend.adapters.metrics import PrometheusMetrics, RequestTimer
+from paged_backend.adapters.metrics import METRICS, PrometheusMetrics, RequestTimer
 
 from paged_backend.errors import EngineDeadError, InvalidRequestError
 from paged_backend.outputs import CompletionOutput, RequestOutput, Usage, merge_delta
@@ -129,6 +129,9 @@ def test_request_timer_feeds_vllm_histograms_and_stats_gauges():
     assert _sample(text, "vllm:kv_cache_usage_perc") == 0.25
     assert _sample(text, "vllm:prompt_tokens_total") == 30
     assert _sample(text, "vllm:prefix_cache_hits_total") == 16
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(families) == len(set(families)) == len(METRICS)  # one family each, no "*_created" beside them
+    assert "_created" not in text
 
 
 def test_request_timer_counts_engine_steps_of_merged_deltas():
