@@ -157,8 +157,8 @@ class _SamplingFields(OpenAIRequest):
     return_token_ids: Any = None
     store: Any = None
 
-    _refused = field_validator("use_beam_search", "guided_decoding_backend", "guided_whitespace_pattern",
-                               "prompt_logprobs", "bad_words", "return_token_ids", "store")(_refuse_unless_neutral)
+    # every UNSUPPORTED field, here or on a route's request (chat's tools, completions' best_of)
+    _refused = field_validator(*UNSUPPORTED, check_fields=False)(_refuse_unless_neutral)
 
 
 class TextContentPart(OpenAIRequest):
@@ -194,10 +194,6 @@ class ChatCompletionRequest(_SamplingFields):
     reasoning_effort: Any = None
     verbosity: Any = None
 
-    _refused_chat = field_validator("tools", "tool_choice", "functions", "function_call",
-                                    "audio", "modalities", "prediction", "web_search_options", "reasoning_effort",
-                                    "verbosity")(_refuse_unless_neutral)
-
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -207,8 +203,6 @@ class CompletionRequest(_SamplingFields):
     suffix: str | None = None
     best_of: int | None = None
     response_format: dict[str, Any] | None = None  # vLLM's completions take it too
-
-    _refused_completion = field_validator("best_of")(_refuse_unless_neutral)
 
 
 # -- responses ---------------------------------------------------------------------------

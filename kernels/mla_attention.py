@@ -78,6 +78,36 @@ def row_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_row
     return req, pos
 
 
+@triton.jit
+def _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok, visible, qk_scale, m_i, l_i, acc,
+              BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, DOT_DTYPE: tl.constexpr,
+              IEEE: tl.constexpr):
+    """One online-softmax step over ``keys`` (gathered through the block ``table``; ``k_ok``: loaded,
+    ``visible`` [rows, keys]: attended), both kernels' loop body; returns the new (m, l, acc)."""
+    block = tl.load(table + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    base = cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * (DV + DR)
+    dv = tl.arange(0, DV)
+    dr = tl.arange(0, DR)
+    k_lat = tl.load(base + dv[None, :], mask=k_ok[:, None], other=0.0).to(DOT_DTYPE)
+    k_pe = tl.load(base + DV + dr[None, :], mask=k_ok[:, None], other=0.0).to(DOT_DTYPE)
+    if IEEE:
+        s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
+        s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
+    else:
+        s = tl.dot(q_lat, tl.trans(k_lat))
+        s = tl.dot(q_pe, tl.trans(k_pe), s)
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if IEEE:
+        acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None], input_precision="ieee")
+    else:
+        acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None])
+    return m_new, l_i, acc
+
+
 @triton.jit(do_not_specialize=["H", "T", "keys_per_split"])  # batch sizes: one compile for all
 def _mla_attention_kernel(
     q_ptr,  # [T, H, DV + DR]
@@ -129,26 +159,8 @@ def _mla_attention_kernel(
     for k0 in range(first, last, BLOCK_N):
         keys = k0 + tl.arange(0, BLOCK_N)
         ok = keys < last
-        block = tl.load(table + keys // BLOCK_SIZE, mask=ok, other=0).to(tl.int64)
-        base = cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * (DV + DR)
-        k_lat = tl.load(base + dv[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
-        k_pe = tl.load(base + DV + dr[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
-        if IEEE:
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_lat, tl.trans(k_lat))
-            s = tl.dot(q_pe, tl.trans(k_pe), s)
-        s = tl.where(ok[None, :], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, ok, ok[None, :], qk_scale,
+                                  m_i, l_i, acc, BLOCK_SIZE, DV, DR, DOT_DTYPE, IEEE)
     if SPLITS == 1:
         out = acc / l_i[:, None] * kv_scale
         o_rows = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
@@ -218,26 +230,9 @@ def _mla_prefill_kernel(
     for k0 in range(0, n_keys, BLOCK_N):
         keys = k0 + tl.arange(0, BLOCK_N)
         k_ok = keys < n_keys
-        block = tl.load(table + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-        base = cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * (DV + DR)
-        k_lat = tl.load(base + dv[None, :], mask=k_ok[:, None], other=0.0).to(DOT_DTYPE)
-        k_pe = tl.load(base + DV + dr[None, :], mask=k_ok[:, None], other=0.0).to(DOT_DTYPE)
-        if IEEE:
-            s = tl.dot(q_lat, tl.trans(k_lat), input_precision="ieee")
-            s = tl.dot(q_pe, tl.trans(k_pe), s, input_precision="ieee")
-        else:
-            s = tl.dot(q_lat, tl.trans(k_lat))
-            s = tl.dot(q_pe, tl.trans(k_pe), s)
-        s = tl.where(keys[None, :] <= pos[:, None], s * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None], input_precision="ieee")
-        else:
-            acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None])
-        m_i = m_new
+        m_i, l_i, acc = _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok,
+                                  keys[None, :] <= pos[:, None], qk_scale, m_i, l_i, acc, BLOCK_SIZE, DV, DR,
+                                  DOT_DTYPE, IEEE)
     out = acc / l_i[:, None] * kv_scale
     o_rows = out_ptr + (q0 + row).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
     tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
