@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 from family_fixtures import PROMPTS
+
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 
 BK = 128

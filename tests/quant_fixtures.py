@@ -7,8 +7,9 @@ import re
 from pathlib import Path
 
 import torch
-from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 from safetensors.torch import load_file, save_file
+
+from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 
 # a tiny Llama, for checkpoints whose weights a test makes itself
 SHAPES = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_act="silu", hidden_size=128,

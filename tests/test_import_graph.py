@@ -11,8 +11,8 @@ import paged_backend
 
 PACKAGE = "paged_backend"
 ROOT = Path(paged_backend.__file__).resolve().parent
-# paged_backend.kernels and paged_backend.adapters are installed from folders beside the package
-SOURCES = {PACKAGE: ROOT, f"{PACKAGE}.kernels": ROOT.parent / "kernels", f"{PACKAGE}.adapters": ROOT.parent / "adapters"}
+# paged_backend.adapters is installed from the folder beside the package
+SOURCES = {PACKAGE: ROOT, f"{PACKAGE}.adapters": ROOT.parent / "adapters"}
 SKIP_DIRS = {"triton_model_repository", "__pycache__"}
 
 
@@ -27,7 +27,7 @@ def _modules() -> dict[str, Path]:
             if parts[-1] == "__init__":
                 parts.pop()
             name = ".".join([pkg, *parts])
-            if pkg == PACKAGE and parts and parts[0] in ("kernels", "adapters"):
+            if pkg == PACKAGE and parts and parts[0] == "adapters":
                 continue
             mods[name] = path
     return mods

@@ -77,5 +77,5 @@ class AttentionBackend(Protocol):
         v_dim: int,  # the value: the latent's first v_dim dims (kv_lora_rank)
         kv_scale: torch.Tensor,  # float32 scalar (1.0 unless the cache is fp8)
     ) -> torch.Tensor:  # [T, num_heads, v_dim], dtype of query
-        """Multi-head latent attention: writes ``latent`` into the cache, then attends (kernels/mla_attention_ref.py)."""
+        """Multi-head latent attention: writes ``latent`` into the cache, then attends (paged_backend/kernels/mla_attention_ref.py)."""
         ...

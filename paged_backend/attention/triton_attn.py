@@ -3,7 +3,7 @@
 Same contract as the torch reference backend; the host-side ``max_query_len`` /
 ``max_seq_len`` of the metadata pick the tile shape and the context split without a sync.
 Where the kernel takes q pre-scaled (prefill steps), ``query_scale`` hands that factor to the
-layer's rotary kernel, which writes q anyway (``kernels/paged_attention.py``, ``query_prescale``).
+layer's rotary kernel, which writes q anyway (``paged_backend/kernels/paged_attention.py``, ``query_prescale``).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ class TritonAttentionBackend:
     def forward_mla(self, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, v_dim: int, kv_scale: torch.Tensor) -> torch.Tensor:
         """Multi-head latent attention (``AttentionBackend.forward_mla``): the Triton kernels
-        (``kernels/mla_attention.py``) where they take the dims, else the torch reference."""
+        (``paged_backend/kernels/mla_attention.py``) where they take the dims, else the torch reference."""
         if supported(v_dim, query.shape[-1] - v_dim):
             return mla_forward(query, latent, kv_cache, meta, scale, v_dim, kv_scale)
         return mla_forward_ref(query, latent, kv_cache, meta, scale, v_dim, kv_scale)
@@ -71,14 +71,14 @@ class TritonAttentionBackend:
                 max_num_batched_tokens: int, max_model_len: int, max_blocks: int,
                 sliding_window: int | None = None) -> int:
         """Compile every attention kernel variant steps under these limits can launch (``warm_up``
-        in kernels/paged_attention.py), so none compiles mid-run. Returns the launches planned."""
+        in paged_backend/kernels/paged_attention.py), so none compiles mid-run. Returns the launches planned."""
         return warm_up(kv_cache, query_dtype, num_heads, max_num_seqs=max_num_seqs,
                        max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                        max_blocks=max_blocks, sliding_window=sliding_window)
 
     def warm_up_mla(self, kv_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int, v_dim: int, *,
                     max_model_len: int) -> int:
-        """``warm_up`` for a latent cache (``kernels/mla_attention.py``'s ``warm_up``); 0 where the
+        """``warm_up`` for a latent cache (``paged_backend/kernels/mla_attention.py``'s ``warm_up``); 0 where the
         torch reference runs (dims the kernel does not take)."""
         if not supported(v_dim, kv_cache.shape[-1] - v_dim):
             return 0

@@ -3,7 +3,7 @@
 Three of the minimums the kernels are held to (docs/BENCHMARKS.md, "Kernels") were unmet when
 this sweep was written: bf16 decode at batch 8 x 4k, the fp8 decode speed-up over bf16, and
 prefill against SDPA. The kernel has candidate code paths behind ``AttentionConfig`` fields
-(kernels/paged_attention.py) whose defaults are the measured baseline; the variants timed are
+(paged_backend/kernels/paged_attention.py) whose defaults are the measured baseline; the variants timed are
 listed in ``attention_variants.py``. This module runs them in one process, in jobs of falling
 priority (a decode cell with both KV dtypes, or a prefill length)::
 

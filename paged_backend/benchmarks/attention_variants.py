@@ -1,6 +1,6 @@
 """The paged-attention code-path variants ``bench kernels --variants`` times side by side.
 
-Each ``Variant`` overrides fields of the launcher's ``AttentionConfig`` (kernels/paged_attention.py;
+Each ``Variant`` overrides fields of the launcher's ``AttentionConfig`` (paged_backend/kernels/paged_attention.py;
 decode variants start from ``pick_config(..., baseline=True)``, prefill ones from the prefill
 baseline) and optionally the context-split count; the sweep itself is ``attention_sweep.py``.
 Pick winners from its tables and set them in ``pick_config`` / ``pick_num_splits``.

@@ -2,7 +2,7 @@
 
 Per M (tokens): random routing over E experts (top-k), the kernel's output checked against
 ``fused_moe_ref`` (relative error), then both timed: the kernel, with the config ``fused_moe``
-picks (this device's tuned table where ``kernels/fused_moe_configs`` has one), as CUDA-graph
+picks (this device's tuned table where ``paged_backend/kernels/fused_moe_configs`` has one), as CUDA-graph
 replays over four routings (GPU time, as the engine replays its steps); the reference, which
 syncs with the host, by ``triton.testing.do_bench`` (median, L2 flushed). The weight bandwidth counts the bytes of the experts the
 batch touches (the decode floor), over the kernel's time. Prints a table last.
@@ -42,7 +42,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tune", action="store_true", help="search the configs per M and write the tuning table")
     p.add_argument("--out-dir", default=None, help="--tune: where the table goes (default: the package's "
-                   "kernels/fused_moe_configs)")
+                   "paged_backend/kernels/fused_moe_configs)")
     p.add_argument("--jobs", type=int, default=max(1, min(16, (os.cpu_count() or 2) - 2)),
                    help="--tune: processes compiling the candidates")
 

@@ -4,7 +4,7 @@ For each token count M, candidate ``MoEConfig``s run the whole op (routing, both
 the activation and the top-k sum) on seeded random routings over E experts, top-k; the fastest
 (GPU time of CUDA-graph replays over four routings, median of 10) is written to
 ``<out-dir>/E=..,N=..,device_name=....json`` in vLLM's table format, which ``fused_moe`` reads
-for that device and shape (``kernels/fused_moe_configs``). The winner is checked against
+for that device and shape (``paged_backend/kernels/fused_moe_configs``). The winner is checked against
 ``fused_moe_ref`` before it is kept.
 
 The search has two rounds per M:

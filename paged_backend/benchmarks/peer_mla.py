@@ -1,7 +1,7 @@
 """``bench peer --only mla``: latent-attention decode, ours beside vLLM's MLA decode kernels.
 
 One query token per request over a bf16 latent cache of 576 values a token (kv_lora_rank 512 + rope 64,
-``kernels/mla_attention.py``'s layout), at each of ``--batches`` x ``--mla-contexts`` x ``--mla-heads``:
+``paged_backend/kernels/mla_attention.py``'s layout), at each of ``--batches`` x ``--mla-contexts`` x ``--mla-heads``:
 
     ours         ``mla_attention`` (the engine's kernel) at block size 16 (the engine's default) and 64
     FlashMLA     vLLM's FLASHMLA backend kernel (block size 64 only; its scheduling metadata made

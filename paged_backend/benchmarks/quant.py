@@ -4,10 +4,10 @@ For each K x N (Llama-3.1-8B's 4096 x 4096, 4096 x 14336, 14336 x 4096) and each
 256), in one process:
 
     bf16        torch.matmul(x, W.T): cuBLAS on the dense bf16 weight (the baseline)
-    int4        the Triton W4A16 kernel (kernels/int4_gemm.py), group 128, fp16 scales (as the
+    int4        the Triton W4A16 kernel (paged_backend/kernels/int4_gemm.py), group 128, fp16 scales (as the
                 checkpoints store them), act-order off / on, ``default_config``
     fp8 token   torch._scaled_mm, e4m3 weight with per-channel scales, activations quantized per
-                token by kernels/fp8_quant.py (what FP8_DYNAMIC checkpoints run), M padded to 17
+                token by paged_backend/kernels/fp8_quant.py (what FP8_DYNAMIC checkpoints run), M padded to 17
     fp8 tensor  same with one weight scale and a dynamic per-tensor activation scale (tensor-wise)
     ... nopad   the two fp8 rows without padding M to 17 rows
     fp8 gemm    torch._scaled_mm alone on already-quantized activations (the quantization's cost

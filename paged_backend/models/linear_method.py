@@ -58,7 +58,7 @@ class MoEMethod(ABC):
 
     @abstractmethod
     def op_kwargs(self, layer: nn.Module) -> dict:
-        """The MoE op's keyword arguments for these weights (``kernels/fused_moe_ref.py``: the scales)."""
+        """The MoE op's keyword arguments for these weights (``paged_backend/kernels/fused_moe_ref.py``: the scales)."""
 
     def init_dummy_weights(self, layer: nn.Module, gen: torch.Generator, std: float) -> None:
         """Random expert tensors in the checkpoint's format (``load_format="dummy"``)."""

@@ -9,7 +9,7 @@ Checkpoint modules under ``model.layers.N.self_attn`` (transformers' names, kept
     o_proj [hidden, H * v]
 
 Per token the cache keeps [ kv_a_layernorm(c) | rope(k_pe) ] (``MLAInfo.latent_dim`` values), and the
-attention is the absorbed form (``kernels/mla_attention_ref.py``)::
+attention is the absorbed form (``paged_backend/kernels/mla_attention_ref.py``)::
 
     q_lat = q_nope @ W_UK          per head [kv_lora]
     o_lat = MQA(scale, [q_lat | rope(q_pe)], latent)        value = the latent's first kv_lora dims

@@ -1,6 +1,6 @@
 """The routed experts of a mixture-of-experts layer as two stacked parameters.
 
-    w13  [E, 2I, H]   per expert: gate rows [0, I), up rows [I, 2I)  (``kernels/fused_moe_ref.py``)
+    w13  [E, 2I, H]   per expert: gate rows [0, I), up rows [I, 2I)  (``paged_backend/kernels/fused_moe_ref.py``)
     w2   [E, H, I]    per expert: the down projection
 
 ``FusedMoE.forward(x, router_logits)`` = ``select_experts`` (``moe_routing.py``) then the MoE op

@@ -10,7 +10,7 @@ Two forwards with the same activation quantization (none, dynamic per tensor, dy
 token, static per tensor):
 
 - CUDA (compute capability >= 8.9): ``torch._scaled_mm`` on e4m3 activations (quantized by
-  ``kernels/fp8_quant.py``) and the e4m3 weight, fp32 accumulation, output in the model dtype;
+  ``paged_backend/kernels/fp8_quant.py``) and the e4m3 weight, fp32 accumulation, output in the model dtype;
   tensor-wise scales when both are one number, else row-wise (per token x per channel).
 - elsewhere (CPU, K or N not a multiple of 16, ``act_scheme="none"``): activations
   fake-quantized exactly as the schemes say and the weight dequantized per use, so this path

@@ -10,8 +10,8 @@ FP8 checkpoints write them::
 
 The activation quantization is what those models run (and what vLLM does for them): each
 token's inputs are quantized in groups of bk with their own scale. Served by dequantize +
-matmul on the CPU (``kernels/fp8_block_gemm_ref.py``), by the Triton block-FP8 GEMM on CUDA
-(``kernels/fp8_block_gemm.py``: the fused-MoE kernel's block-FP8 path over one expert). Fused shards (q|k|v, gate|up) must start on a block boundary; under tensor parallelism
+matmul on the CPU (``paged_backend/kernels/fp8_block_gemm_ref.py``), by the Triton block-FP8 GEMM on CUDA
+(``paged_backend/kernels/fp8_block_gemm.py``: the fused-MoE kernel's block-FP8 path over one expert). Fused shards (q|k|v, gate|up) must start on a block boundary; under tensor parallelism
 each rank's slice must be whole blocks.
 """
 

@@ -12,8 +12,8 @@
         -> w13_weight_scale [E, 2I]   w2_weight_scale [E, H]
         activations: dynamic e4m3 per token
 
-The MoE op (``kernels/fused_moe.py`` on CUDA, ``fused_moe_ref`` elsewhere) takes the scales as
-``w13_scale`` / ``w2_scale`` (+ ``block_shape``); its contract is in ``kernels/fused_moe_ref.py``.
+The MoE op (``paged_backend/kernels/fused_moe.py`` on CUDA, ``fused_moe_ref`` elsewhere) takes the scales as
+``w13_scale`` / ``w2_scale`` (+ ``block_shape``); its contract is in ``paged_backend/kernels/fused_moe_ref.py``.
 Gate and up stack into one [2I, H] tensor, so block scales need I % bn == 0; under tensor
 parallelism each rank's I / tp must be whole blocks of bn (w13's rows) and of bk (w2's inputs), and
 per-token scales of the intermediate take the max over the ranks (each holds part of the row).

@@ -1,5 +1,5 @@
 """What the int4 formats share: unpacking helpers, the repack into the kernel layout (see
-``kernels/int4_gemm_ref.py``) and the forward (Triton on CUDA, dequantize + matmul elsewhere).
+``paged_backend/kernels/int4_gemm_ref.py``) and the forward (Triton on CUDA, dequantize + matmul elsewhere).
 
 Each format's ``process_weights_after_loading`` unpacks its tensors to plain
 ``q uint8 [K, N]``, ``zeros uint8 [G, N]``, ``scales float32 [G, N]`` and an optional

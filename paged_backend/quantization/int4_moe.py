@@ -1,5 +1,5 @@
 """int4 routed experts (W4A16) of GPTQ and AWQ checkpoints, repacked at load into the fused-MoE kernel's
-layout (``kernels/fused_moe_ref.py``: per expert the int4 kernel layout of ``kernels/int4_gemm_ref.py``).
+layout (``paged_backend/kernels/fused_moe_ref.py``: per expert the int4 kernel layout of ``paged_backend/kernels/int4_gemm_ref.py``).
 
 Per-expert checkpoint tensors (``{X}`` = ``model.layers.N.mlp.experts.{e}``; gate and up [.., I] along
 their outputs, down [I, ..] along its inputs; G = H / group_size, Gi = I / group_size)::

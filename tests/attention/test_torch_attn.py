@@ -12,11 +12,11 @@ from dataclasses import replace
 
 import pytest
 import torch
-from paged_backend.kernels.cache_write_ref import FP8_DTYPE, write_kv_cache_ref
-from paged_backend.kernels.paged_attention_ref import paged_attention_ref
 
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.attention.torch_attn import TorchAttentionBackend
+from paged_backend.kernels.cache_write_ref import FP8_DTYPE, write_kv_cache_ref
+from paged_backend.kernels.paged_attention_ref import paged_attention_ref
 
 pytestmark = pytest.mark.usefixtures("poison_uninitialized")
 

@@ -10,11 +10,10 @@ import torch
 
 pytest.importorskip("triton")
 
-from paged_backend.kernels.cache_write_ref import FP8_DTYPE  # noqa: E402
-
 from paged_backend.attention import AttentionMetadata, get_attention_backend  # noqa: E402
 from paged_backend.attention.torch_attn import TorchAttentionBackend  # noqa: E402
 from paged_backend.attention.triton_attn import TritonAttentionBackend  # noqa: E402
+from paged_backend.kernels.cache_write_ref import FP8_DTYPE  # noqa: E402
 from paged_backend.models.layers import reference_ops  # noqa: E402
 from paged_backend.models.ops import get_kernel_ops, triton_ops  # noqa: E402
 

@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 
 import pytest
-from paged_backend.kernels.int4_gemm import Int4Config
 
 from paged_backend.benchmarks import quant as bench_quant
 from paged_backend.benchmarks import quant_sweep
 from paged_backend.cli import build_parser
+from paged_backend.kernels.int4_gemm import Int4Config
 
 
 @pytest.fixture

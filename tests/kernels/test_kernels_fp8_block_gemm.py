@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_backend.kernels.fp8_block_gemm import dense_config, fp8_block_gemm
 from paged_backend.kernels.fp8_block_gemm_ref import fp8_block_gemm_ref
 from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, FP8_MAX, fp8_scale_from_amax

@@ -15,6 +15,7 @@ import re
 
 import pytest
 import torch
+
 from paged_backend.kernels.fused_moe import (
     CONFIG_DIR,
     CONFIG_DIR_ENV,
@@ -297,7 +298,7 @@ def test_tuned_table_found_by_shape_and_device(tmp_path, monkeypatch):
 
 
 def test_shipped_tuning_tables_parse_and_cover_decode_and_prefill():
-    """Every table in kernels/fused_moe_configs is a valid vLLM-format table named for its shape,
+    """Every table in paged_backend/kernels/fused_moe_configs is a valid vLLM-format table named for its shape,
     with entries from one token to prefill sizes."""
     files = sorted(p for p in os.listdir(CONFIG_DIR) if p.endswith(".json"))
     for name in files:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_backend.kernels.fp8_quant import quantize_fp8_groups
 from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, FP8_MAX, quantize_fp8_groups_ref
 from paged_backend.kernels.fused_moe import (

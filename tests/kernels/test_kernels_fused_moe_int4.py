@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from paged_backend.kernels.fused_moe import INT4_SELECTOR, MoEConfig, config_file_name, fused_moe, pick_config
 from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 from paged_backend.kernels.int4_gemm_ref import KERNEL_NIBBLE, pack_int4_kernel

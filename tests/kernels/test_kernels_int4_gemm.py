@@ -13,6 +13,7 @@ import functools
 
 import pytest
 import torch
+
 from paged_backend.kernels.int4_gemm_ref import (
     KERNEL_NIBBLE,
     compact_scales,

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from model_fixtures import make_meta
+
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 from paged_backend.kernels.mla_attention import (
     mla_attention,

@@ -26,13 +26,13 @@ from family_fixtures import (
 )
 from fp8_reference import FollowsTransformers, fake_quant_hf
 from model_fixtures import make_tiny_checkpoint
-from paged_backend.kernels.mla_attention_ref import mla_attention_ref, write_latent_cache_ref
-from paged_backend.kernels.rotary_ref import yarn_mscale
 from quant_fixtures import fp8_moe_quant_config, quantize_fp8_weight, write_quantized_pair
 from safetensors.torch import load_file, save_file
 from smollm2 import assert_no_leak
 
 from paged_backend import SamplingParams
+from paged_backend.kernels.mla_attention_ref import mla_attention_ref, write_latent_cache_ref
+from paged_backend.kernels.rotary_ref import yarn_mscale
 from paged_backend.models.mla import MLAAttention
 from paged_backend.models.model_info import ModelInfo
 
@@ -282,6 +282,7 @@ def test_an_fp8_latent_cache_attends_within_e4m3_error() -> None:
     """The same step over an e4m3 latent cache (scale from the largest value) and a float32 one: the outputs
     differ by e4m3's rounding (3 mantissa bits: ~2^-5 relative a value), far less than they are apart."""
     from model_fixtures import make_meta
+
     from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
     from paged_backend.kernels.mla_attention_ref import mla_forward_ref
 

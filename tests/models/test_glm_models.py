@@ -21,8 +21,8 @@ from family_fixtures import (
     tiny_llm,
 )
 from model_fixtures import make_variant
-from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
 
+from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq, rotary_ref
 from paged_backend.models.model_info import ModelInfo
 
 pytestmark = pytest.mark.slow

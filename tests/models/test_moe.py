@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 from safetensors import safe_open
 from transformers import AutoModelForCausalLM
 from transformers.models.deepseek_v2.configuration_deepseek_v2 import DeepseekV2Config
@@ -25,6 +24,7 @@ from transformers.models.qwen3_moe.configuration_qwen3_moe import Qwen3MoeConfig
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeTopKRouter
 
 from paged_backend.distributed import TPGroup
+from paged_backend.kernels.fused_moe_ref import fused_moe_ref
 from paged_backend.models.moe import (
     FAMILY_EXPERT_LAYOUTS,
     FusedMoE,

@@ -50,12 +50,12 @@ from family_fixtures import (
 )
 from fp8_reference import FollowsTransformers, fake_quant_hf
 from model_fixtures import PagedCache, paged_logits
-from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 from quant_fixtures import fp8_moe_quant_config, write_fp8_moe_checkpoint
 from safetensors.torch import load_file
 
 from paged_backend.attention.torch_attn import TorchAttentionBackend
 from paged_backend.distributed import TPGroup
+from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.moe import FusedMoE
 from paged_backend.worker.model_loader import load_model

@@ -27,12 +27,12 @@ from family_fixtures import (
     rewrite_checkpoint,
     tiny_llm,
 )
-from paged_backend.kernels.int4_gemm_ref import unpack_int4_kernel
 from quant_fixtures import int4_moe_quant_config, quantize_int4_weight, write_int4_moe_checkpoint
 from safetensors.torch import load_file
 
 from paged_backend.attention.torch_attn import TorchAttentionBackend
 from paged_backend.distributed import TPGroup
+from paged_backend.kernels.int4_gemm_ref import unpack_int4_kernel
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.moe import FusedMoE
 from paged_backend.worker.model_loader import load_model

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from paged_backend.kernels.fp8_quant_ref import dequantize_fp8_ref
 
 from paged_backend.attention import get_attention_backend
+from paged_backend.kernels.fp8_quant_ref import dequantize_fp8_ref
 from paged_backend.models.layers import FusedLinear
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.quantization.fp8 import quantize_activations

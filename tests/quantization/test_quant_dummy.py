@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from model_fixtures import PagedCache, make_meta
-from paged_backend.kernels.int4_gemm_ref import dequantize_int4_ref
 from quant_fixtures import SHAPES
 
 from paged_backend.attention import get_attention_backend
+from paged_backend.kernels.int4_gemm_ref import dequantize_int4_ref
 from paged_backend.models.layers import FusedLinear
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.quantization import DUMMY_CONFIGS

@@ -9,6 +9,7 @@ import functools
 
 import pytest
 import torch
+
 from paged_backend.kernels.fp8_quant_ref import (
     FP8_DTYPE,
     FP8_MAX,
@@ -16,7 +17,6 @@ from paged_backend.kernels.fp8_quant_ref import (
     dequantize_fp8_ref,
     quantize_fp8_ref,
 )
-
 from paged_backend.quantization.fp8 import Fp8LinearMethod, fake_quant_fp8, fp8_linear, quantize_activations
 
 

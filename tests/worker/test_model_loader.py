@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 import torch
 from model_fixtures import TINY, PagedCache, hf_classes, make_meta, make_tiny_checkpoint
-from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq
 from safetensors.torch import load_file, save_file
 
 from paged_backend.attention.torch_attn import TorchAttentionBackend
+from paged_backend.kernels.rotary_ref import rope_cos_sin_cache, rope_inv_freq
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.worker.model_loader import load_model, resolve_dtype
 

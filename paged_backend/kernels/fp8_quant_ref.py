@@ -12,6 +12,7 @@ The division (not a multiplication by 1/scale) and the clamp before the cast are
 from __future__ import annotations
 
 import torch
+
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 
 MIN_AMAX = 1e-12  # all-zero rows get a tiny positive scale (q = 0), never a division by zero

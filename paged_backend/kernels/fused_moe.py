@@ -20,7 +20,7 @@ before that rounding).
 
 FP8 experts (w13 / w2 float8_e4m3fn with float32 ``w13_scale`` / ``w2_scale``; the shapes and the
 math are ``fused_moe_ref``'s): x and the SiLU-and-mul intermediate are quantized to e4m3 on the
-device (``quantize_moe_activations``: ``kernels/fp8_quant.py``, per token, and per group of bk
+device (``quantize_moe_activations``: ``paged_backend/kernels/fp8_quant.py``, per token, and per group of bk
 inputs with ``block_shape`` (bn, bk)) and both GEMMs multiply e4m3 tiles (``tl.dot`` on e4m3: the
 FP8 tensor cores from compute capability 8.9, whose running sums keep ~14 bits; fp16 operands below
 and for fp32 activations, exact for e4m3; fp32 in the interpreter), accumulating in fp32:
@@ -55,7 +55,7 @@ read as the transposed operand)::
 
     inter1 [M*K, 2I] = grouped GEMM (x rows p // K, w13)            (weights applied here with
                                                                     apply_router_weight_on_input)
-    inter  [M*K, I]  = silu_and_mul(inter1)                          (kernels/activation.py)
+    inter  [M*K, I]  = silu_and_mul(inter1)                          (paged_backend/kernels/activation.py)
     inter2 [M*K, H]  = grouped GEMM (inter rows p, w2) * topk_weights (otherwise here)
     out    [M, H]    = inter2.view(M, K, H).sum(1)                   (torch; fp32 accumulation.
                                                                     K = 1: GEMM 2 writes out)
@@ -91,7 +91,7 @@ table: ``load_config_table(path)`` reads a JSON file named like vLLM's
 a token count M to ``{"BLOCK_SIZE_M", "BLOCK_SIZE_N", "BLOCK_SIZE_K", "GROUP_SIZE_M",
 "num_warps", "num_stages"}``; the entry of the nearest M is used. ``fused_moe(config=None)`` on a
 CUDA bf16/fp16 input looks the table up by (E, N, the device's name) in
-``$PAGED_BACKEND_MOE_CONFIG_DIR``, then in ``kernels/fused_moe_configs/`` (tables written by
+``$PAGED_BACKEND_MOE_CONFIG_DIR``, then in ``paged_backend/kernels/fused_moe_configs/`` (tables written by
 ``paged-backend bench moe --tune``; read once per process), and falls back to the defaults.
 
 Host work per call: the checks (with ``check=True`` the id range check is one host sync, skipped
@@ -110,6 +110,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
 from paged_backend.kernels._launch import (
     FLOAT_DTYPES,
     check_device,

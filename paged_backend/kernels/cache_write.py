@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tensor, scale_tensor
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE, FP8_MAX
 

@@ -51,7 +51,7 @@ FP8 experts (w13 and w2 float8_e4m3fn, W8A8 with dynamic activation scales), two
     rank quantizes as the unsplit layer would.
 
 int4 experts (W4A16: GPTQ / AWQ checkpoints repacked at load by ``quantization/int4_moe.py``), each
-expert in the int4 kernel layout of ``kernels/int4_gemm_ref.py`` (output features as rows, eight
+expert in the int4 kernel layout of ``paged_backend/kernels/int4_gemm_ref.py`` (output features as rows, eight
 inputs per int32 word)::
 
     w13        int32 [E, 2I, H/8]       w2        int32 [E, H, I/8]
@@ -69,6 +69,7 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
 from paged_backend.kernels.fp8_quant_ref import (
     FP8_DTYPE,
     dequantize_fp8_groups_ref,

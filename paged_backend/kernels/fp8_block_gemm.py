@@ -1,5 +1,5 @@
 """Block-scaled FP8 GEMM in Triton (``fp8_block_gemm_ref``'s contract): the fused-MoE kernel's block-FP8 path
-(``kernels/fused_moe.py``, QUANT 1) run over one expert with its rows in order (``moe_gemm`` with no
+(``paged_backend/kernels/fused_moe.py``, QUANT 1) run over one expert with its rows in order (``moe_gemm`` with no
 routing), so the dense linears of DeepSeek-V3 / GLM FP8 checkpoints and their experts share one kernel.
 
 Each k-step (BLOCK_K = bk, one activation scale group and one weight-scale block) is one e4m3 MMA
@@ -13,6 +13,7 @@ batches, 64 and 128 beyond, swizzled for L2 reuse. Activations are quantized per
 from __future__ import annotations
 
 import torch
+
 from paged_backend.kernels._launch import check_device, check_tensor, interpreting
 from paged_backend.kernels.fp8_quant import quantize_fp8_groups
 from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE

@@ -56,6 +56,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
 from paged_backend.kernels._launch import (
     FLOAT_DTYPES,
     async_compiles,

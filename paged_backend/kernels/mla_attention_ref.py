@@ -22,6 +22,7 @@ Scores, softmax and the value sum run in float32; the output is cast to q's dtyp
 from __future__ import annotations
 
 import torch
+
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 
 

@@ -71,6 +71,7 @@ from dataclasses import dataclass, replace
 import torch
 import triton
 import triton.language as tl
+
 from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tensor, dot_dtype, interpreting
 
 PATHS = ("gemv", "dot", "mma")

@@ -25,6 +25,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tensor
 
 

@@ -9,6 +9,7 @@ the e4m3 range and rounded to nearest even.
 from __future__ import annotations
 
 import torch
+
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 
 __all__ = ["FP8_DTYPE", "FP8_MAX", "quantize_fp8", "write_kv_cache_ref"]

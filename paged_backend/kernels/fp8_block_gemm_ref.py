@@ -10,6 +10,7 @@ DeepSeek-V3 format; the CPU path of ``quantization/fp8_block.py``)::
 from __future__ import annotations
 
 import torch
+
 from paged_backend.kernels.fp8_quant_ref import (
     dequantize_fp8_groups_ref,
     expand_block_scales,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
 from paged_backend.kernels._launch import FLOAT_DTYPES, check_device, check_tensor
 from paged_backend.kernels.fp8_quant_ref import FP8_DTYPE, FP8_MAX, MIN_AMAX
 

@@ -33,6 +33,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+
 from paged_backend.kernels._launch import dot_dtype, interpreting, next_pow2
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 
