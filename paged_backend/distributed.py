@@ -73,6 +73,11 @@ class TPGroup:
         dist.gather_object(obj, out, dst=0, group=self.control_group)
         return out
 
+    def barrier(self) -> None:
+        """Every rank waits here for the others (the control group): the last step before leaving, so no
+        rank tears its sockets down while a peer still has a collective in flight."""
+        dist.barrier(group=self.control_group)
+
     def min_int(self, value: int) -> int:
         """The smallest ``value`` over the ranks (e.g. KV blocks that fit on every rank)."""
         t = torch.tensor([value], dtype=torch.int64)

@@ -146,6 +146,7 @@ class TensorParallelRunner:
                     atexit.unregister(self.shutdown)
                     tp = init_tp_group(rank, self.world_size, dev, expert_parallel=ep)
                     run_worker(config, model_dir, info, dev, dtype, tp)
+                    destroy_tp_group()
                     raise SystemExit(0)
                 self.tp = init_tp_group(0, self.world_size, dev, expert_parallel=ep)
             if dev.type == "cuda":
@@ -274,6 +275,7 @@ class TensorParallelRunner:
             try:
                 if self.tp is not None and self._failure is None and not self._dead_workers():
                     self.tp.broadcast_object(("shutdown", None))
+                    self.tp.barrier()
             except Exception:
                 logger.debug("shutdown broadcast failed", exc_info=True)
             finally:
@@ -334,6 +336,7 @@ def run_worker(config: EngineConfig, model_dir: Path | str, info: ModelInfo, dev
         elif cmd == "report":
             tp.gather_objects(ledger.report(tp, runner, arg))
         elif cmd == "shutdown":
+            tp.barrier()
             return
         else:
             raise RuntimeError(f"unknown command from rank 0: {cmd!r}")
