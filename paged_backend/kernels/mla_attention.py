@@ -283,6 +283,7 @@ def mla_attention(
     max_query_len: int | None = None,  # the step's most new rows of one request (host int); > 1: prefill kernel
     prefill_tile: tuple[int, int] | None = None,  # (ROWS, BLOCK_N) of the prefill kernel (default: prefill_tile_for)
     fp8_fp16_dots: bool = True,  # e4m3 cache, 16-bit q: fp16 MMA operands (``mla_dot_dtype``); False: q's dtype
+    decode_tile: tuple[int, int, int] | None = None,  # decode (BLOCK_N, num_warps, num_stages): decode_tile_for
 ) -> torch.Tensor:  # [T, H, v_dim]
     """``mla_attention_ref`` in one launch, or a split launch and a merge; steps with a prompt chunk
     (``max_query_len`` > 1) in the prefill kernel (module docstring)."""
@@ -316,7 +317,7 @@ def mla_attention(
     if splits is None:
         splits = pick_splits(t * head_blocks, max_blocks, _sm_count(q.device))
     splits = max(1, min(next_pow2(splits), next_pow2(max_blocks)))
-    block_n = DECODE_KEYS if q.dtype != torch.float32 else DECODE_KEYS // 2
+    block_n, warps, stages = decode_tile or decode_tile_for(block_h, q.dtype, v_dim)
     per_split = triton.cdiv(triton.cdiv(max_blocks * bs, splits), block_n) * block_n  # keys
     part, ml = out, out
     if splits > 1:
@@ -327,7 +328,7 @@ def mla_attention(
         q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, BLOCK_H=block_h, DV=v_dim, DR=rope,
         DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits, BLOCK_N=block_n,
-        num_warps=4 if v_dim <= 128 else 8, num_stages=2,
+        num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _mla_merge_kernel[(t, h)](part, ml, kv_scale, out, h, t, out.stride(0), out.stride(1), SPLITS=splits,
@@ -364,6 +365,19 @@ def _block_h(num_heads: int) -> int:
 
 
 DECODE_KEYS = 64  # keys a decode program takes a step (4 blocks of 16: 2.5x one block a step on the H200)
+SMALL_HEAD_BLOCK_TILE = (32, 4, 2)  # (keys, warps, stages) for head blocks of 16: 1.15-1.25x (64, 8, 2) on an H100
+
+
+def decode_tile_for(block_h: int, dtype: torch.dtype, v_dim: int) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of the decode kernel: 32 keys a step on 4 warps for 16-head blocks
+    (DeepSeek-V2-Lite: the fp32 accumulator is 16 x DV, and a smaller tile keeps more programs resident),
+    ``DECODE_KEYS`` on 8 warps for wider blocks or values (128 heads: the 64-key tile was fastest); half the
+    keys for fp32 (twice the bytes a key)."""
+    if dtype == torch.float32:
+        return DECODE_KEYS // 2, 4 if v_dim <= 128 else 8, 2
+    if block_h <= 16:
+        return SMALL_HEAD_BLOCK_TILE
+    return DECODE_KEYS, 4 if v_dim <= 128 else 8, 2
 PREFILL_ROWS_X_HEADS = 64  # MMA rows a prefill program fills (ROWS query rows x BLOCK_H heads)
 PREFILL_KEYS = 64  # keys a prefill program takes a step
 
