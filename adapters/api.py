@@ -30,7 +30,7 @@ from paged_backend.outputs import RequestOutput, merge_delta
 from paged_backend.sampling_params import SamplingParams
 
 from .adapter_errors import AdapterError, ErrorKind, short_repr, to_adapter_error
-from .metrics import MetricsSink, PrometheusMetrics, RequestTimer
+from .metrics import MetricsSink, PrometheusMetrics, RequestTimer, cache_config_labels
 
 __all__ = [
     "AdapterError",
@@ -139,7 +139,8 @@ class EngineAdapter:
             raise to_adapter_error(exc) from None
         self.prometheus: PrometheusMetrics | None = None
         if metrics == "prometheus":
-            self.prometheus = PrometheusMetrics(self.served_model_name, self.stats)
+            self.prometheus = PrometheusMetrics(self.served_model_name, self.stats, step_tokens=self.take_step_tokens,
+                                                cache_info=self.cache_config_info)
             metrics = self.prometheus
         self.sink: MetricsSink | None = metrics
         self._engine: Any = None
@@ -194,6 +195,15 @@ class EngineAdapter:
     def is_alive(self) -> bool:
         """False once the model failed to load or the engine loop died: the process should be replaced."""
         return self._load_error is None and not (self._engine is not None and self._engine.is_dead)
+
+    @property
+    def failure(self) -> str | None:
+        """Why this engine cannot serve (a failed load or a dead engine loop), or None."""
+        if self._load_error is not None:
+            return f"the model failed to load: {self._load_error!r}"
+        if self._engine is not None and self._engine.is_dead:
+            return self._engine.dead_reason
+        return None
 
     @property
     def is_draining(self) -> bool:
@@ -296,10 +306,13 @@ class EngineAdapter:
         """
         engine = self._require_engine()
         rid = request_id or uuid.uuid4().hex
-        timer = RequestTimer(self.sink)
+        timer = RequestTimer(self.sink, n=params.n, max_tokens=params.max_tokens)
         with self._cond:
             self._inflight += 1
-        stream = engine.generate(rid, prompt, params, cache_salt=cache_salt)
+        if params.use_beam_search:  # one finished output, after the search
+            stream = engine.beam_search(rid, prompt, params, cache_salt=cache_salt)
+        else:
+            stream = engine.generate(rid, prompt, params, cache_salt=cache_salt)
         settled = False  # finished, or refused before it started
         try:
             try:
@@ -361,6 +374,16 @@ class EngineAdapter:
 
     def stats(self) -> dict[str, Any]:
         return dict(self._engine.stats()) if self._engine is not None else {}
+
+    def take_step_tokens(self) -> list[int]:
+        """Tokens of each engine step since the last call (``vllm:iteration_tokens_total``)."""
+        return self._engine.take_step_tokens() if self._engine is not None else []
+
+    def cache_config_info(self) -> dict[str, str] | None:
+        """Labels of ``vllm:cache_config_info`` once the engine is loaded, else None."""
+        if self._engine is None:
+            return None
+        return cache_config_labels(self._engine.model_info(), self.config)
 
     def model_info(self, *, with_path: bool = True) -> dict[str, Any]:
         """Model facts; ``with_path=False`` leaves out where the model lives on disk."""

@@ -10,6 +10,7 @@ worker's ``__init__`` starts the engine (in the background, so the port answers 
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import AsyncIterator
 from typing import Any
@@ -86,6 +87,18 @@ def service_config(args: ServeArgs) -> dict[str, Any]:
     if not args.trace_streams:
         config["tracing"] = {"excluded_urls": list(STREAMING_URLS)}
     return config
+
+
+def show_engine_logs() -> None:
+    """The engine's INFO lines (its start-up lines, the periodic "Avg prompt throughput ..." line)
+    in ``bentoml serve``'s log, as ``vllm serve`` prints them.
+
+    BentoML's server logging keeps the root logger at WARNING; the ``paged_backend`` loggers go to
+    INFO then, through BentoML's own handler and format. Quiet (``--quiet``) and debug modes, and a
+    level set by the operator, are left as they are."""
+    engine_logger = logging.getLogger("paged_backend")
+    if engine_logger.level == logging.NOTSET and logging.getLogger().getEffectiveLevel() == logging.WARNING:
+        engine_logger.setLevel(logging.INFO)
 
 
 def merge_metrics(bentoml_metrics: str, engine_metrics: str) -> str:

@@ -45,6 +45,37 @@ class Usage:
 
 
 @dataclass
+class RequestMetrics:
+    """A finished request's engine timings (``time.monotonic()`` seconds), the phases vLLM's
+    request histograms report: queued (arrival to first scheduling), prefill (first scheduling
+    to first token), decode (first to last token)."""
+
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    last_token_time: float
+
+    @property
+    def queue_time(self) -> float:
+        return max(0.0, (self.first_scheduled_time or self.last_token_time) - self.arrival_time)
+
+    @property
+    def prefill_time(self) -> float:
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return 0.0
+        return max(0.0, self.first_token_time - self.first_scheduled_time)
+
+    @property
+    def decode_time(self) -> float:
+        return 0.0 if self.first_token_time is None else max(0.0, self.last_token_time - self.first_token_time)
+
+    @property
+    def inference_time(self) -> float:
+        start = self.first_scheduled_time
+        return 0.0 if start is None else max(0.0, self.last_token_time - start)
+
+
+@dataclass
 class RequestOutput:
     request_id: str
     prompt: str | None
@@ -57,6 +88,7 @@ class RequestOutput:
     # output carries (one per step; deltas merged for a slow consumer keep them all), so
     # TTFT / inter-token latency metrics see the steps, not the deliveries. [] otherwise.
     step_times: list[float] = field(default_factory=list)
+    metrics: RequestMetrics | None = None  # set on the final output of a request
 
 
 def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -88,6 +120,8 @@ def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
         acc.outputs = [by_index[i] for i in sorted(by_index)]
     acc.finished, acc.usage = delta.finished, delta.usage
     acc.step_times.extend(delta.step_times)
+    if delta.metrics is not None:
+        acc.metrics = delta.metrics
     if delta.prompt_logprobs is not None:
         acc.prompt_logprobs = delta.prompt_logprobs
     return acc

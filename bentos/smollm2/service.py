@@ -13,7 +13,13 @@ from typing import Any
 
 import bentoml
 from paged_backend.adapters.api import EngineAdapter
-from paged_backend.adapters.bentoml_service import ServeArgs, merge_metrics, native_generate, service_config
+from paged_backend.adapters.bentoml_service import (
+    ServeArgs,
+    merge_metrics,
+    native_generate,
+    service_config,
+    show_engine_logs,
+)
 from paged_backend.adapters.http_guard import ServingGuard
 from paged_backend.adapters.lifecycle import drain_on_sigterm, exit_with_parent, stop_parent_on_load_error
 from paged_backend.adapters.openai_server import attach_adapter, create_openai_app
@@ -36,6 +42,7 @@ class PagedLLM:
     """One engine per worker process; the model loads in the background after start."""
 
     def __init__(self) -> None:
+        show_engine_logs()  # the engine's start-up and throughput lines in the server log, as vllm serve
         self.adapter = EngineAdapter(args.engine_config())
         attach_adapter(openai_app, self.adapter)
         drain_on_sigterm(self.adapter, args.drain_timeout)  # SIGTERM: 503s at once, bounded drain, then exit

@@ -62,6 +62,7 @@ class Request:
         self.all_token_ids: list[int] = list(prompt_token_ids)
         self.num_computed_tokens = 0
         self.num_cached_tokens = -1  # prefix-cache hit at first scheduling; -1 = not yet
+        self.first_scheduled_time: float | None = None  # time.monotonic() when first scheduled (queue end)
         self.num_preemptions = 0
         # ``is_finished`` is a plain attribute kept in step with ``status`` by its setter: the
         # engine reads it for every request every step, an enum property chain costs ~10x more

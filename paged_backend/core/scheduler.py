@@ -10,6 +10,7 @@ it goes back to the front of the waiting queue; nothing it generated is lost).
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
@@ -198,6 +199,7 @@ class Scheduler:
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:
                     req.num_cached_tokens = num_cached
+                    req.first_scheduled_time = time.monotonic()
                 req.num_computed_tokens = num_cached
                 req.status = RequestStatus.RUNNING
                 req.scheduled_step = step

@@ -132,6 +132,11 @@ class AsyncEngine:
         """The loop thread ended by an error (not by ``shutdown``): nothing will be served again."""
         return self._dead is not None
 
+    @property
+    def dead_reason(self) -> str | None:
+        """What ended the loop thread by an error, or None."""
+        return None if self._dead is None else f"the engine loop died: {self._dead!r}"
+
     def has_request(self, request_id: str) -> bool:
         """Whether a request of this id is in flight (submitted, its stream not yet closed)."""
         with self._lock:
@@ -152,6 +157,10 @@ class AsyncEngine:
     def stats(self) -> dict:
         with self._lock:
             return dict(self._stats)
+
+    def take_step_tokens(self) -> list[int]:
+        """Tokens of each engine step since the last call (vLLM's iteration_tokens_total)."""
+        return self.engine.stats.take_step_tokens()
 
     async def generate(
         self,
@@ -237,6 +246,8 @@ class AsyncEngine:
                 self._add(payload)
             elif kind == "abort":
                 final = self.engine.abort_request(payload)
+                if final is not None:
+                    self._publish_stats()  # counters current when the abort returns
                 stream = self._streams.get(payload)
                 if stream is not None and final is not None and stream.put(final):
                     _notify([stream])

@@ -81,6 +81,7 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.scheduler, self.stats, self.eos_token_ids, self.max_model_len)
         self.groups, self.samples = self.outputs.groups, self.outputs.samples  # the live requests
         self._inflight: LaunchedStep | None = None  # async: the step whose sampled ids are still on the device
+        _log_engine(self)
         _log_kv_cache(num_blocks, config.block_size, self.runner, self.max_model_len)
 
     # -- input ---------------------------------------------------------------------------
@@ -249,6 +250,23 @@ def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     if config.async_scheduling and config.tensor_parallel_size > 1:
         raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
     return config.async_scheduling
+
+
+def _log_engine(engine: LLMEngine) -> None:
+    """The start-up line a server log shows (as vLLM's engine logs its config)."""
+    cfg, runner = engine.config, engine.runner
+    backend = getattr(getattr(runner, "attn_backend", None), "name", cfg.attention_backend)
+    graphs = getattr(runner, "graphs", None)
+    logger.info(
+        "Engine: model=%s (%s), dtype=%s, device=%s, max_model_len=%d, max_num_seqs=%d, "
+        "max_num_batched_tokens=%d, attention backend=%s, CUDA graphs=%s, async scheduling=%s, "
+        "prefix caching=%s, tensor_parallel_size=%d", cfg.name, engine.info.architecture,
+        str(engine.dtype).replace("torch.", ""), engine.device, engine.max_model_len, engine.max_num_seqs,
+        engine.max_num_batched_tokens, backend,
+        f"on (decode batches up to {max(graphs.graphs)})" if graphs is not None and graphs.graphs else "off",
+        "on" if engine.async_scheduling else "off", "on" if cfg.enable_prefix_caching else "off",
+        cfg.tensor_parallel_size,
+    )
 
 
 def _log_kv_cache(num_blocks: int, block_size: int, runner, max_model_len: int) -> None:

@@ -8,13 +8,15 @@ builds nothing until the request finishes).
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from paged_backend.core.request import RequestStatus
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.engine.request_state import RequestGroup, Row, SampleState
 from paged_backend.engine.stats import EngineStats
-from paged_backend.outputs import CompletionOutput, RequestOutput, Usage
+from paged_backend.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
 from paged_backend.sample.sampler import compute_prompt_logprobs
 from paged_backend.sampling_params import RequestOutputKind
 
@@ -123,8 +125,13 @@ class OutputProcessor:
             cached_tokens=max(0, lead.num_cached_tokens),
         )
         times = [step_time] if delta and step_time is not None and any(c.token_ids for c in outs) else []
+        finished = group.finished
+        metrics = None
+        if finished:
+            metrics = RequestMetrics(group.prep.arrival_time, lead.first_scheduled_time, group.first_token_time,
+                                     step_time if step_time is not None else time.monotonic())
         return RequestOutput(group.prep.request_id, group.prep.prompt, group.prep.prompt_token_ids,
-                             outs, group.finished, usage, prompt_lp, times)
+                             outs, finished, usage, prompt_lp, times, metrics)
 
 
 def _completion(s: SampleState, delta: bool) -> CompletionOutput | None:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
 
 logger = logging.getLogger("paged_backend")
 _computed = attrgetter("num_computed_tokens")
+STEP_TOKENS_KEPT = 1 << 16  # per-step token counts kept for a metrics reader (the oldest dropped past this)
 
 
 @dataclass
@@ -24,6 +26,8 @@ class EngineStats:
     num_steps: int = 0
     peak_kv_usage: float = 0.0
     peak_kv_waste: float = 0.0  # allocated slots holding no token / allocated slots, at peak usage
+    # tokens computed by each step since a reader last took them (vLLM's iteration_tokens_total)
+    step_tokens: deque = field(default_factory=lambda: deque(maxlen=STEP_TOKENS_KEPT))
     _last_log: float = field(default_factory=time.monotonic)
     _last_prompt: int = 0
     _last_gen: int = 0
@@ -42,6 +46,7 @@ class EngineStats:
     def on_step(self, computed_tokens: int, sampled_tokens: int, scheduler, kv) -> None:
         self.num_steps += 1
         self.computed_tokens_total += computed_tokens
+        self.step_tokens.append(computed_tokens)
         self.generation_tokens_total += sampled_tokens
         usage = kv.usage
         if usage >= self.peak_kv_usage:
@@ -55,6 +60,17 @@ class EngineStats:
         now = time.monotonic()
         if self.interval and now - self._last_log >= self.interval:
             self.log(scheduler, kv, now)
+
+    def take_step_tokens(self) -> list[int]:
+        """The tokens of each step since the last call (any thread: deque pops are atomic)."""
+        out = []
+        pop = self.step_tokens.popleft
+        try:
+            for _ in range(len(self.step_tokens)):
+                out.append(pop())
+        except IndexError:
+            pass
+        return out
 
     def log(self, scheduler, kv, now: float) -> None:
         dt = max(now - self._last_log, 1e-9)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -26,7 +27,7 @@ PROMPT = "The three primary colors are"
 
 @pytest.fixture(scope="module")
 def server_process(tmp_path_factory):
-    srv = start(tmp_path_factory.mktemp("bentoml"), ENGINE_ARGS)
+    srv = start(tmp_path_factory.mktemp("bentoml"), {**ENGINE_ARGS, "log_stats_interval": 1})
     yield srv
     if not stop(srv):
         pytest.fail("bentoml serve did not stop on SIGTERM within 60s")
@@ -269,6 +270,49 @@ def test_metrics_have_vllm_names(server, client):
         assert _metric(text, name) > 0, name
     assert _metric(text, "vllm:prefix_cache_hits_total") > 0  # the same chat prompt ran before
     assert "bentoml_" in text  # BentoML's own metrics are still there
+
+
+def test_metrics_are_one_registry_with_vllms_request_metrics(server, client):
+    """Each family once (BentoML's multiprocess collector does not publish the engine's a second
+    time), no ``*_created``, vLLM's request histograms and counters current when a request ends."""
+    before = httpx.get(f"{server.url}/metrics").text
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=5, temperature=0, n=2,
+                              extra_body={"ignore_eos": True})
+    text = httpx.get(f"{server.url}/metrics").text
+    families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
+    assert len(families) == len(set(families)), sorted(f for f in families if families.count(f) > 1)
+    assert "_created" not in text
+    assert _metric(text, "vllm:generation_tokens_total") == _metric(before, "vllm:generation_tokens_total") + 10
+    for name in ("vllm:time_per_output_token_seconds_count", "vllm:request_queue_time_seconds_count",
+                 "vllm:request_prefill_time_seconds_count", "vllm:request_decode_time_seconds_count",
+                 "vllm:request_inference_time_seconds_count", "vllm:request_params_n_count",
+                 "vllm:request_params_max_tokens_count", "vllm:iteration_tokens_total_count"):
+        assert _metric(text, name) > _metric(before, name), name
+    assert 'vllm:request_params_n_bucket{le="2.0",model_name="SmolLM2-135M-Instruct"}' in text
+    assert "vllm:num_preemptions_total" in text
+    info = [line for line in text.splitlines() if line.startswith("vllm:cache_config_info{")]
+    assert len(info) == 1 and info[0].endswith(" 1.0"), info
+    for label in ('block_size="16"', 'num_gpu_blocks="383"', 'cache_dtype="auto"', 'kv_cache_dtype="float32"',
+                  'model_name="SmolLM2-135M-Instruct"'):
+        assert label in info[0], (label, info[0])
+
+
+def test_the_server_log_shows_the_engine_lines(server, client):
+    """As ``vllm serve``: the engine's start-up lines and its periodic throughput line in the log."""
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    throughput = (r"Avg prompt throughput: [\d.]+ tokens/s, Avg generation throughput: [\d.]+ tokens/s, "
+                  r"Running: \d+ reqs, Waiting: \d+ reqs, GPU KV cache usage: [\d.]+%, Prefix cache hit rate: [\d.]+%")
+    deadline = time.monotonic() + 30
+    while not re.search(throughput, server.log_text()):
+        assert time.monotonic() < deadline, server.log_tail()
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+        time.sleep(0.5)
+    log = server.log_text()
+    assert re.search(r"\[INFO\] .*Engine: model=SmolLM2-135M-Instruct \(LlamaForCausalLM\), dtype=float32, "
+                     r"device=cpu, max_model_len=1024, max_num_seqs=\d+, max_num_batched_tokens=\d+, "
+                     r"attention backend=torch, CUDA graphs=off", log), log[:5000]
+    assert re.search(r"KV cache: 383 blocks of 16 tokens = 6128 tokens \(float32, [\d.]+ GiB\); "
+                     r"max concurrency at max_model_len 1024: 5\.98x", log), log[:5000]
 
 
 def test_bento_builds_offline(server_process, tmp_path):
