@@ -8,6 +8,12 @@ holds the engine arguments (vLLM's names). Only importable inside Triton's Pytho
        _infer: EngineAdapter.generate() deltas --> response queue --> response thread
                (sender.send, then sender.is_cancelled() -> abort, CANCELLED)
     engine loop thread (AsyncEngine) steps the model; finalize() drains and stops all.
+
+Errors read as vllm_backend's (``Error generating stream: ...``). When the engine dies, every
+request fails UNAVAILABLE ("Model is unavailable due to unhealthy engine ..."); with the model
+parameter ``ENABLE_VLLM_HEALTH_CHECK`` (vllm_backend's) the model also unloads itself, so Triton
+reports it not ready (that needs ``--model-control-mode=explicit``, as in vllm_backend).
+Custom metrics (``REPORT_CUSTOM_METRICS``) stay off when model.json says ``disable_log_stats``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,7 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from .api import AdapterError, EngineAdapter, merge_delta, to_adapter_error
-from .metrics import METRICS
+from .metrics import CACHE_CONFIG_INFO, ITERATION_TOKENS, METRICS, cache_config_labels
 from .triton_protocol import (
     INPUTS,
     MODEL_JSON,
@@ -71,14 +77,24 @@ class TritonPythonModel:
             engine_args = json.load(f)
         config, ignored = engine_config_from_model_json(engine_args)
         if ignored:
-            self.logger.log_warn(f"[paged-backend] ignoring vLLM-only engine arguments: {ignored}")
+            self.logger.log_warn(f"[paged-backend] ignoring vLLM engine arguments this engine does not use: "
+                                 f"{ignored}")
+        self.model_name = args["model_name"]
+        self._health_check = self._param("ENABLE_VLLM_HEALTH_CHECK").lower() == "true"
+        self._unhealthy = False
+        self._health_lock = threading.Lock()
         self.metrics: TritonMetrics | None = None
         if self._param("REPORT_CUSTOM_METRICS").lower() == "true":
-            self.metrics = TritonMetrics.create({"model": args["model_name"], "version": args["model_version"]},
-                                                self.logger)
+            if config.disable_log_stats:  # as vllm_backend: no custom metrics without the engine's stats
+                self.logger.log_info("[paged-backend] custom metrics are off: disable_log_stats is set in model.json")
+            else:
+                self.metrics = TritonMetrics.create({"model": self.model_name, "version": args["model_version"]},
+                                                    self.logger)
         self.adapter = EngineAdapter(config, metrics=self.metrics)
         self.adapter.start()  # the model is loaded before Triton reports the model ready
         self.logger.log_info(f"[paged-backend] engine ready: {self.adapter.model_info()}")
+        if self.metrics is not None:
+            self.metrics.set_cache_config(cache_config_labels(self.adapter.model_info(), config))
         self._token_text_cache: dict[int, str] = {}
         self.loop = asyncio.new_event_loop()
         self._loop_thread = threading.Thread(target=self.loop.run_forever, name="paged-backend-asyncio", daemon=True)
@@ -97,9 +113,48 @@ class TritonPythonModel:
         return self.model_config.get("parameters", {}).get(name, {}).get("string_value", "")
 
     def execute(self, requests: list[Any]) -> None:
+        if not self._check_health(requests):
+            return None
         for request in requests:
             asyncio.run_coroutine_threadsafe(self._infer(request), self.loop)
         return None
+
+    # -- health ------------------------------------------------------------------------
+
+    def _check_health(self, requests: list[Any]) -> bool:
+        """vllm_backend's health check: a dead engine fails every request UNAVAILABLE and, with
+        ENABLE_VLLM_HEALTH_CHECK, unloads the model (Triton then reports it not ready)."""
+        if self.adapter.is_alive:
+            return True
+        self._engine_died()
+        message = f"Model is unavailable due to unhealthy engine: {self.adapter.failure}"
+        for request in requests:
+            try:
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(message, pb_utils.TritonError.UNAVAILABLE)),
+                    flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+            except Exception:
+                self.logger.log_error(f"[paged-backend] sending a response failed: {traceback.format_exc()}")
+        return False
+
+    def _engine_died(self) -> None:
+        """Once: log why, and unload the model when the health check is on."""
+        with self._health_lock:
+            if self._unhealthy:
+                return
+            self._unhealthy = True
+        if not self._health_check:
+            self.logger.log_error(f"[paged-backend] the engine is not healthy: {self.adapter.failure}; requests "
+                                  "fail UNAVAILABLE (set the model parameter ENABLE_VLLM_HEALTH_CHECK to unload the "
+                                  "model instead, with --model-control-mode=explicit)")
+            return
+        self.logger.log_error(f"[paged-backend] Engine is not healthy and model will be unloaded: "
+                              f"{self.adapter.failure}")
+        try:
+            pb_utils.unload_model(self.model_name)  # non-blocking: finalize() runs when in-flight calls end
+        except Exception as exc:
+            self.logger.log_error(f"[paged-backend] the model could not unload itself ({exc}); model control "
+                                  "must be explicit (--model-control-mode=explicit) for ENABLE_VLLM_HEALTH_CHECK")
 
     def finalize(self) -> None:
         self.logger.log_info("[paged-backend] finalize: draining in-flight requests")
@@ -170,6 +225,8 @@ class TritonPythonModel:
                     self._responses.put((sender, status, self._response(inputs, delta, state), flags))
                 else:
                     acc = merge_delta(acc, delta)
+            if self.metrics is not None:  # counters current before the client sees the end of its request
+                self._update_metrics()
             if not inputs.stream:
                 response = self._response(inputs, acc, state) if acc is not None else self._error(
                     AdapterError("The engine returned no output.", kind="internal"))
@@ -177,7 +234,9 @@ class TritonPythonModel:
         except Exception as exc:
             err = to_adapter_error(exc)
             if err.kind == "internal":
-                self.logger.log_error(f"[paged-backend] request failed: {traceback.format_exc()}")
+                self.logger.log_error(f"[paged-backend] Error generating stream: {traceback.format_exc()}")
+            elif err.kind == "unavailable" and not self.adapter.is_alive:
+                self._engine_died()
             self._responses.put((sender, status, self._error(err), pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL))
         finally:
             if stream is not None:
@@ -185,8 +244,9 @@ class TritonPythonModel:
 
     @staticmethod
     def _error(err: AdapterError) -> Any:
+        """vllm_backend's error text (``Error generating stream: ...``) with the error's own code."""
         code = getattr(pb_utils.TritonError, triton_error_code(err))
-        return pb_utils.InferenceResponse(error=pb_utils.TritonError(err.message, code))
+        return pb_utils.InferenceResponse(error=pb_utils.TritonError(f"Error generating stream: {err.message}", code))
 
     @staticmethod
     def _cancelled() -> Any:
@@ -209,10 +269,13 @@ class TritonPythonModel:
 
     def _poll_metrics(self) -> None:
         while not self._stop.wait(_METRICS_POLL_S):
-            try:
-                self.metrics.update_from_stats(self.adapter.stats())
-            except Exception:
-                self.logger.log_error(f"[paged-backend] metrics update failed: {traceback.format_exc()}")
+            self._update_metrics()
+
+    def _update_metrics(self) -> None:
+        try:
+            self.metrics.update_from_stats(self.adapter.stats(), self.adapter.take_step_tokens())
+        except Exception:
+            self.logger.log_error(f"[paged-backend] metrics update failed: {traceback.format_exc()}")
 
 
 class TritonMetrics:
@@ -232,8 +295,8 @@ class TritonMetrics:
             family = pb_utils.MetricFamily(name=name, description=spec.doc,
                                            kind=getattr(pb_utils.MetricFamily, self._KINDS[spec.kind]))
             self.families[spec.name] = family
-            if spec.name == "vllm:request_success":
-                continue  # one metric per finished_reason, made on first use
+            if spec.name in ("vllm:request_success", CACHE_CONFIG_INFO):
+                continue  # made on first use (one metric per finished_reason) / once the engine is loaded
             if spec.kind == "histogram":
                 self.metrics[spec.name] = family.Metric(labels=labels, buckets=[float(b) for b in spec.buckets])
             else:
@@ -249,6 +312,12 @@ class TritonMetrics:
                 return None
             raise
 
+    def set_cache_config(self, info: dict[str, str]) -> None:
+        """``vllm:cache_config_info``: a gauge at 1 whose labels are the cache's configuration."""
+        metric = self.families[CACHE_CONFIG_INFO].Metric(labels={**self.labels, **info})
+        metric.set(1.0)
+        self.metrics[CACHE_CONFIG_INFO] = metric
+
     def observe(self, name: str, value: float) -> None:
         self.metrics[name].observe(float(value))
 
@@ -260,23 +329,27 @@ class TritonMetrics:
                     labels={**self.labels, "finished_reason": finished_reason})
         metric.increment(1.0)
 
-    def update_from_stats(self, stats: dict[str, Any]) -> None:
-        """Gauges set, counters advanced by what the engine counted since the last poll."""
-        for spec in METRICS:
-            if spec.stat is None or spec.stat not in stats:
-                continue
-            value = float(stats[spec.stat] or 0)
-            if spec.kind == "gauge":
-                self.metrics[spec.name].set(value)
-            else:
-                step = value - self.last.get(spec.name, 0.0)
-                if step > 0:
-                    self.metrics[spec.name].increment(step)
-                self.last[spec.name] = value
+    def update_from_stats(self, stats: dict[str, Any], step_tokens: list[int] = ()) -> None:
+        """Gauges set, counters advanced by what the engine counted since the last update, the
+        engine steps since then observed (the poller and request ends both call this)."""
+        with self.lock:
+            for spec in METRICS:
+                if spec.stat is None or spec.stat not in stats:
+                    continue
+                value = float(stats[spec.stat] or 0)
+                if spec.kind == "gauge":
+                    self.metrics[spec.name].set(value)
+                else:
+                    step = value - self.last.get(spec.name, 0.0)
+                    if step > 0:
+                        self.metrics[spec.name].increment(step)
+                        self.last[spec.name] = value
+            hist = self.metrics[ITERATION_TOKENS]
+            for n in step_tokens:
+                hist.observe(float(n))
 
     def close(self) -> None:
         """Metrics must go before their families (the stub refuses the other order)."""
         self.metrics.clear()
         self.success.clear()
         self.families.clear()
-

@@ -56,29 +56,89 @@ OUTPUTS: tuple[dict[str, Any], ...] = (
 RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_logprobs", "return_num_input_tokens",
                 "return_num_output_tokens")
 
-# vLLM engine arguments that mean nothing here (CUDA graphs, Ray, remote code ...): accepted, logged, ignored.
+# vLLM engine arguments that change nothing here whatever their value (logging, Ray, remote code,
+# CUDA-graph sizes, download places, v0 scheduler knobs ...): accepted, logged, ignored.
 IGNORED_VLLM_ARGS = frozenset({
-    "disable_custom_all_reduce", "trust_remote_code", "disable_log_requests", "worker_use_ray",
-    "distributed_executor_backend", "swap_space", "max_seq_len_to_capture", "disable_sliding_window",
-    "tokenizer_mode", "revision", "download_dir", "pipeline_parallel_size", "enable_log_requests",
-    "compilation_config", "cpu_offload_gb", "use_v2_block_manager",
+    "disable_custom_all_reduce", "trust_remote_code", "disable_log_requests", "enable_log_requests",
+    "worker_use_ray", "distributed_executor_backend", "swap_space", "max_seq_len_to_capture",
+    "disable_sliding_window", "tokenizer_mode", "revision", "code_revision", "tokenizer_revision", "download_dir",
+    "compilation_config", "cpu_offload_gb", "use_v2_block_manager", "preemption_mode", "scheduler_delay_factor",
+    "num_scheduler_steps", "multi_step_stream_outputs", "max_parallel_loading_workers", "ray_workers_use_nsight",
+    "disable_async_output_proc", "guided_decoding_backend", "otlp_traces_endpoint", "collect_detailed_traces",
+    "model_loader_extra_config", "ignore_patterns", "enable_sleep_mode", "max_logprobs", "block_allocator",
+    "disable_frontend_multiprocessing", "limit_mm_per_prompt", "mm_processor_kwargs", "worker_cls",
+    "scheduling_policy", "config_format", "load_in_low_bit", "override_pooler_config", "task", "runner",
+    "max_lora_rank", "max_loras", "max_cpu_loras", "lora_extra_vocab_size", "lora_dtype", "fully_sharded_loras",
+    "long_lora_scaling_factors",
 })
+# vLLM engine arguments for features this engine does not have: accepted (and ignored) only at the
+# value that leaves the feature off, refused naming the key otherwise.
+OFF_ONLY_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
+    "enable_lora": (None, False, "false", "False"),
+    "enable_prompt_adapter": (None, False, "false", "False"),
+    "pipeline_parallel_size": (None, 1, "1"),
+    "data_parallel_size": (None, 1, "1"),
+    "speculative_config": (None, {}, ""),
+    "speculative_model": (None, ""),
+    "num_speculative_tokens": (None, 0, "0"),
+    "kv_transfer_config": (None, {}, ""),
+    "hf_overrides": (None, {}, ""),
+    "rope_scaling": (None, {}, ""),
+}
+# vLLM spellings of values that EngineConfig names otherwise
+_DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _vllm_to_engine_config(args: Mapping[str, Any]) -> dict[str, Any]:
+    """vLLM's spellings mapped onto EngineConfig's: ``dtype: "half"``, ``served_model_name`` as a list."""
+    fields = dict(args)
+    dtype = fields.get("dtype")
+    if isinstance(dtype, str) and dtype.lower() in _DTYPE_ALIASES:
+        fields["dtype"] = _DTYPE_ALIASES[dtype.lower()]
+    name = fields.get("served_model_name")
+    if isinstance(name, list):
+        if len(name) > 1:
+            raise AdapterError(f"{MODEL_JSON}: served_model_name: one name is served here, got {name}",
+                               param="served_model_name")
+        fields["served_model_name"] = name[0] if name else None
+    return fields
 
 
 def engine_config_from_model_json(args: Mapping[str, Any]) -> tuple[EngineConfig, list[str]]:
-    """EngineConfig from a vllm_backend ``model.json``; also returns the vLLM-only keys ignored."""
+    """EngineConfig from a vllm_backend ``model.json``; also returns the vLLM-only keys ignored.
+
+    Keys EngineConfig has (vLLM's names) configure the engine; vLLM engine arguments that change
+    nothing here are ignored (the caller logs them); vLLM features this engine lacks are accepted
+    only switched off; any other key fails, as vLLM's ``AsyncEngineArgs(**model_json)`` does."""
     known = set(EngineConfig.model_fields)
-    ignored = sorted(k for k in args if k in IGNORED_VLLM_ARGS and k not in known)
+    ignored, refused = [], []
+    for k, v in args.items():
+        if k in known:
+            continue
+        if k in IGNORED_VLLM_ARGS:
+            ignored.append(k)
+        elif k in OFF_ONLY_VLLM_ARGS:
+            (ignored if _is_off(v, OFF_ONLY_VLLM_ARGS[k]) else refused).append(k)
+    if refused:
+        k = sorted(refused)[0]
+        off = next((v for v in OFF_ONLY_VLLM_ARGS[k] if v is not None and not isinstance(v, str)), None)
+        raise AdapterError(f"{MODEL_JSON}: {k}={json.dumps(args[k])} asks for a vLLM feature this engine does not "
+                           f"have; remove it or leave it off ({k}: {json.dumps(off)})", param=k)
+    ignored.sort()
     fields = {k: v for k, v in args.items() if k not in ignored}
     unknown = sorted(k for k in fields if k not in known)
     if unknown:
         raise AdapterError(f"{MODEL_JSON}: unsupported engine arguments {unknown}; supported: {sorted(known)}",
                            param=unknown[0])
     try:
-        return EngineConfig(**fields), ignored
+        return EngineConfig(**_vllm_to_engine_config(fields)), ignored
     except pydantic.ValidationError as exc:
         err = to_adapter_error(exc)
         raise AdapterError(f"{MODEL_JSON}: {err.message}", param=err.param) from None
+
+
+def _is_off(value: Any, off: tuple[Any, ...]) -> bool:
+    return any(type(value) is type(o) and value == o for o in off)
 
 
 def parse_sampling_parameters(text: str | bytes | None) -> SamplingParams:

@@ -1,6 +1,7 @@
 """Write a Triton model repository that serves paged-backend (vllm_backend's layout).
 
-    <repo>/<model_name>/config.pbtxt      backend: "python", decoupled, custom metrics on
+    <repo>/<model_name>/config.pbtxt      backend: "python", decoupled, custom metrics on,
+                                          ENABLE_VLLM_HEALTH_CHECK on request
     <repo>/<model_name>/1/model.py        imports paged_backend.adapters.triton_backend
     <repo>/<model_name>/1/model.json      engine arguments, vLLM's names
 
@@ -32,9 +33,13 @@ __all__ = ["TritonPythonModel"]
 '''
 
 
-def config_pbtxt(*, instance_kind: str = "KIND_MODEL", report_metrics: bool = True) -> str:
-    """The model configuration; inputs and outputs are filled by ``auto_complete_config``."""
-    return (
+def config_pbtxt(*, instance_kind: str = "KIND_MODEL", report_metrics: bool = True,
+                 health_check: bool = False) -> str:
+    """The model configuration; inputs and outputs are filled by ``auto_complete_config``.
+
+    ``health_check`` sets vllm_backend's ``ENABLE_VLLM_HEALTH_CHECK``: a dead engine unloads the
+    model (Triton reports it not ready; the server needs ``--model-control-mode=explicit``)."""
+    text = (
         'backend: "python"\n'
         "max_batch_size: 0\n"
         "model_transaction_policy {\n  decoupled: true\n}\n"
@@ -44,18 +49,22 @@ def config_pbtxt(*, instance_kind: str = "KIND_MODEL", report_metrics: bool = Tr
         f'  value: {{ string_value: "{"true" if report_metrics else "false"}" }}\n'
         "}\n"
     )
+    if health_check:
+        text += 'parameters {\n  key: "ENABLE_VLLM_HEALTH_CHECK"\n  value: { string_value: "true" }\n}\n'
+    return text
 
 
 def write_model_repository(repo: str | Path, *, model_name: str = DEFAULT_MODEL_NAME,
                            engine_args: Mapping[str, Any] | None = None, instance_kind: str = "KIND_MODEL",
-                           report_metrics: bool = True) -> Path:
+                           report_metrics: bool = True, health_check: bool = False) -> Path:
     """Write (or overwrite) one model into ``repo``; returns the model's directory."""
     args = dict(DEFAULT_ENGINE_ARGS if engine_args is None else engine_args)
     engine_config_from_model_json(args)  # refuse a model.json the backend would refuse
     model_dir = Path(repo) / model_name
     version = model_dir / "1"
     version.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(instance_kind=instance_kind, report_metrics=report_metrics))
+    (model_dir / "config.pbtxt").write_text(config_pbtxt(instance_kind=instance_kind, report_metrics=report_metrics,
+                                                         health_check=health_check))
     (version / "model.py").write_text(_MODEL_PY)
     (version / MODEL_JSON).write_text(json.dumps(args, indent=2) + "\n")
     return model_dir
@@ -78,6 +87,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="an engine argument for model.json (vLLM's names), repeatable")
     p.add_argument("--instance-kind", default="KIND_MODEL", choices=["KIND_MODEL", "KIND_GPU", "KIND_CPU"])
     p.add_argument("--no-metrics", action="store_true", help="do not publish the vllm:* custom metrics")
+    p.add_argument("--health-check", action="store_true",
+                   help="ENABLE_VLLM_HEALTH_CHECK: a dead engine unloads the model (needs "
+                        "--model-control-mode=explicit on the server)")
     ns = p.parse_args(argv)
     args = dict(DEFAULT_ENGINE_ARGS, model=ns.model)
     for item in ns.engine_arg:
@@ -86,7 +98,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--engine-arg wants KEY=VALUE, got {item!r}")
         args[key.strip()] = _parse_value(value)
     model_dir = write_model_repository(ns.repository, model_name=ns.model_name, engine_args=args,
-                                       instance_kind=ns.instance_kind, report_metrics=not ns.no_metrics)
+                                       instance_kind=ns.instance_kind, report_metrics=not ns.no_metrics,
+                                       health_check=ns.health_check)
     print(model_dir)
     return 0
 
