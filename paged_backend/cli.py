@@ -12,14 +12,19 @@ import sys
 
 from paged_backend.engine_args import add_engine_args, engine_config_from_args
 
+DESCRIPTION = ("paged-backend: a paged-KV LLM inference engine. Subcommands: generate (offline answers for "
+               "prompts) and bench (throughput, serve, kernels, quant, peer, moe). The OpenAI API is served by "
+               "bentoml serve in bentos/smollm2, or through Triton Inference Server (see README.md).")
+
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed-sample", dest="sample_seed", type=int, default=None)
-    p.add_argument("--n", type=int, default=1)
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per answer (default: 128)")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy (default: 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default: 1.0, off)")
+    p.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely tokens (default: -1, off)")
+    p.add_argument("--seed-sample", dest="sample_seed", type=int, default=None,
+                   help="per-request sampling seed (default: none, the engine's generator)")
+    p.add_argument("--n", type=int, default=1, help="answers per prompt (default: 1)")
 
 
 def _cmd_generate(args: argparse.Namespace) -> int:
@@ -43,11 +48,11 @@ def _cmd_generate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="paged-backend", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="paged-backend", description=DESCRIPTION)
     sub = p.add_subparsers(dest="cmd", required=True)
 
     g = sub.add_parser("generate", help="generate answers for prompts (chat template unless --raw)")
-    g.add_argument("prompts", nargs="+")
+    g.add_argument("prompts", nargs="+", help="one or more prompts (quote each)")
     g.add_argument("--raw", action="store_true", help="complete the prompt text as is, no chat template")
     add_engine_args(g, model_positional=True)
     _sampling_args(g)

@@ -10,47 +10,60 @@ from paged_backend.config import EngineConfig
 
 # flag -> (type, help); the destination is the EngineConfig field of the same name
 _ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
-    "--dtype": (str, "auto | float32 | bfloat16 | float16"),
-    "--device": (str, "auto | cpu | cuda"),
-    "--max-model-len": (int, "context length (prompt + output)"),
-    "--max-num-seqs": (int, "max requests per step"),
-    "--max-num-batched-tokens": (int, "token budget per step"),
-    "--block-size": (int, "KV block size (16, 32, 64)"),
-    "--kv-cache-dtype": (str, "auto | fp8"),
-    "--gpu-memory-utilization": (float, "fraction of GPU memory to use"),
-    "--kv-cache-memory-bytes": (int, "explicit KV-cache budget in bytes"),
-    "--num-gpu-blocks-override": (int, "exact number of KV blocks"),
-    "--tensor-parallel-size": (int, "GPUs to split the model over"),
-    "--quantization": (str, "awq | gptq | fp8 | compressed-tensors (checked against the checkpoint)"),
-    "--load-format": (str, "auto | safetensors | dummy (random weights)"),
-    "--attention-backend": (str, "auto | torch | triton"),
-    "--max-cudagraph-capture-size": (int, "largest decode batch run as a CUDA graph (default 1024, capped at --max-num-seqs)"),
-    "--seed": (int, "engine seed"),
-    "--served-model-name": (str, "name reported by the API"),
-    "--log-stats-interval": (float, "seconds between stats lines (0: off)"),
+    "--dtype": (str, "auto | float32 | bfloat16 | float16 (default: auto, the checkpoint's dtype; float32 on "
+                     "the CPU)"),
+    "--device": (str, "auto | cpu | cuda (default: auto, CUDA when available)"),
+    "--max-model-len": (int, "context length, prompt + output (default: the model's max_position_embeddings)"),
+    "--max-num-seqs": (int, "max requests per step (default: 1024 on GPUs of 70 GiB or more, else 256)"),
+    "--max-num-batched-tokens": (int, "token budget per step (default: 16384 on GPUs of 70 GiB or more, 8192 on "
+                                      "smaller GPUs, 4096 on the CPU)"),
+    "--block-size": (int, "KV block size: 16, 32 or 64 (default: 16)"),
+    "--kv-cache-dtype": (str, "auto | fp8 (default: auto, the model's dtype)"),
+    "--gpu-memory-utilization": (float, "fraction of GPU memory to use (default: 0.9)"),
+    "--kv-cache-memory-bytes": (int, "explicit KV-cache budget in bytes (default: GPU: what "
+                                     "--gpu-memory-utilization leaves; CPU: 1/4 of free RAM, at most 4 GiB and at "
+                                     "most --max-num-seqs requests of --max-model-len tokens)"),
+    "--num-gpu-blocks-override": (int, "exact number of KV blocks (default: sized from the memory budget)"),
+    "--tensor-parallel-size": (int, "GPUs to split the model over (default: 1)"),
+    "--quantization": (str, "awq | gptq | fp8 | compressed-tensors, checked against the checkpoint (default: "
+                            "from the checkpoint)"),
+    "--load-format": (str, "auto | safetensors | dummy, random weights (default: auto)"),
+    "--attention-backend": (str, "auto | torch | triton (default: auto, triton on CUDA, torch elsewhere)"),
+    "--max-cudagraph-capture-size": (int, "largest decode batch run as a CUDA graph (default: 1024, capped at "
+                                          "--max-num-seqs)"),
+    "--seed": (int, "engine seed (default: 0)"),
+    "--served-model-name": (str, "name reported by the API (default: the model argument)"),
+    "--log-stats-interval": (float, "seconds between stats lines, 0 is off (default: 10)"),
 }
-_ENGINE_BOOLS = {
-    "--enable-prefix-caching": ("enable_prefix_caching", True),
-    "--no-enable-prefix-caching": ("enable_prefix_caching", False),
-    "--enable-chunked-prefill": ("enable_chunked_prefill", True),
-    "--no-enable-chunked-prefill": ("enable_chunked_prefill", False),
-    "--calculate-kv-scales": ("calculate_kv_scales", True),
-    "--disable-log-stats": ("disable_log_stats", True),
-    "--enforce-eager": ("enforce_eager", True),
-    "--skip-tokenizer-init": ("skip_tokenizer_init", True),
-    "--enable-expert-parallel": ("enable_expert_parallel", True),
-    "--async-scheduling": ("async_scheduling", True),
-    "--no-async-scheduling": ("async_scheduling", False),
+# flag -> (destination, value, help)
+_ENGINE_BOOLS: dict[str, tuple[str, bool, str]] = {
+    "--enable-prefix-caching": ("enable_prefix_caching", True, "reuse the KV blocks of shared prompt prefixes "
+                                "(default: on)"),
+    "--no-enable-prefix-caching": ("enable_prefix_caching", False, "turn prefix caching off"),
+    "--enable-chunked-prefill": ("enable_chunked_prefill", True, "split long prompts over steps (default: on)"),
+    "--no-enable-chunked-prefill": ("enable_chunked_prefill", False, "turn chunked prefill off"),
+    "--calculate-kv-scales": ("calculate_kv_scales", True, "fp8 KV cache: compute k/v scales from the first "
+                              "prompt instead of the checkpoint's (default: off)"),
+    "--disable-log-stats": ("disable_log_stats", True, "no periodic stats line (default: logged)"),
+    "--enforce-eager": ("enforce_eager", True, "never use CUDA graphs (default: decode steps replay them on CUDA)"),
+    "--skip-tokenizer-init": ("skip_tokenizer_init", True, "load no tokenizer: token-id prompts only, no text "
+                              "(default: off)"),
+    "--enable-expert-parallel": ("enable_expert_parallel", True, "MoE under tensor parallelism: whole experts "
+                                 "per rank (default: off)"),
+    "--async-scheduling": ("async_scheduling", True, "schedule step t+1 while step t runs (default: on for one "
+                           "CUDA device, off on the CPU)"),
+    "--no-async-scheduling": ("async_scheduling", False, "turn async scheduling off"),
 }
 
 
 def add_engine_args(p: argparse.ArgumentParser, model_positional: bool = False) -> None:
     if model_positional:
-        p.add_argument("--model", default="SmolLM2-135M-Instruct", help="HF model dir or the default model")
+        p.add_argument("--model", default="SmolLM2-135M-Instruct",
+                       help="HF model dir or the default model (default: SmolLM2-135M-Instruct)")
     for flag, (typ, hlp) in _ENGINE_FLAGS.items():
         p.add_argument(flag, type=typ, default=None, help=hlp)
-    for flag, (dest, value) in _ENGINE_BOOLS.items():
-        p.add_argument(flag, dest=dest, action="store_const", const=value, default=None)
+    for flag, (dest, value, hlp) in _ENGINE_BOOLS.items():
+        p.add_argument(flag, dest=dest, action="store_const", const=value, default=None, help=hlp)
 
 
 def engine_config_from_args(args: argparse.Namespace, **overrides: Any) -> EngineConfig:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
@@ -20,6 +21,22 @@ def test_generate_answers_a_question():
                          capture_output=True, text=True, timeout=600, check=True)
     assert "Paris" in out.stdout
     assert "KV cache:" in out.stderr and "max concurrency" in out.stderr
+
+
+def test_help_is_plain_text_and_every_generate_flag_says_what_it_does_and_its_default():
+    from paged_backend.cli import build_parser
+
+    parser = build_parser()
+    top = parser.format_help()
+    assert "``" not in top and "generate" in top and "bench" in top
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(sub.choices) == {"generate", "bench"}
+    generate = sub.choices["generate"]
+    for action in generate._actions:
+        assert action.help, action.option_strings or action.dest
+        plain_switch = action.nargs == 0 and (action.const is False or action.dest in ("help", "raw"))
+        if action.option_strings and not plain_switch:
+            assert "default" in action.help, action.option_strings
 
 
 def test_bench_throughput_reports_low_kv_waste(tmp_path):

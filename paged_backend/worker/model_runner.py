@@ -110,7 +110,8 @@ class ModelRunner:
         elif self.device.type == "cuda":
             budget = self._profile_gpu_budget()
         else:
-            budget = min(4 << 30, _available_ram() // 4)
+            return cpu_default_num_blocks(self.bytes_per_block, self.block_size, self.limits.max_model_len,
+                                          self.limits.max_num_seqs)
         return max(2, budget // self.bytes_per_block)
 
     def _profile_gpu_budget(self) -> int:
@@ -292,6 +293,20 @@ class ModelRunner:
         finally:
             for m in pending:
                 m.calibrate_kv_scales = True
+
+
+CPU_KV_BUDGET_CAP = 4 << 30
+
+
+def cpu_default_num_blocks(bytes_per_block: int, block_size: int, max_model_len: int, max_num_seqs: int,
+                           available_ram: int | None = None) -> int:
+    """The CPU's default KV cache: a quarter of the free RAM, at most 4 GiB, and never more
+    blocks than max_num_seqs requests of max_model_len tokens can hold at once (plus the null
+    block): a small model with a short context gets a small cache, not 4 GiB of zeros."""
+    ram = _available_ram() if available_ram is None else available_ram
+    by_memory = min(CPU_KV_BUDGET_CAP, ram // 4) // bytes_per_block
+    by_use = max_num_seqs * -(-max_model_len // block_size) + 1
+    return max(2, min(by_memory, by_use))
 
 
 def _available_ram() -> int:
