@@ -64,8 +64,6 @@ class StreamOptions(OpenAIRequest):
 # Fields of OpenAI's API (and vLLM's extras that change the output) not implemented, with the values that
 # ask for nothing (accepted); any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": ([],),
-    "tool_choice": ("none",),
     "functions": ([],),
     "function_call": ("none",),
     "audio": (),
@@ -84,8 +82,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "return_token_ids": (False,),
 }
 _WHY = {
-    "tools": "tool calling is not supported yet", "tool_choice": "tool calling is not supported yet",
-    "functions": "function calling is not supported yet", "function_call": "function calling is not supported yet",
+    "functions": "the legacy functions field is not supported; send tools", "function_call": "the legacy function_call field is not supported; send tool_choice",
     "store": "storing responses is not supported", "use_beam_search": "beam search is not supported through this API yet",
 }
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
@@ -170,6 +167,9 @@ class ChatMessage(OpenAIRequest):
     role: str
     content: str | list[TextContentPart | dict[str, Any]] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's past calls (openai_tools.template_tool_calls)
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    reasoning_content: str | None = None  # an assistant's past reasoning (templates that show it)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -182,9 +182,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     response_format: dict[str, Any] | None = None  # {"type": "text" | "json_object" | "json_schema", ...}
-    tools: Any = None
-    tool_choice: Any = None
-    parallel_tool_calls: bool | None = None  # accepted: meaningful only with tools
+    tools: Any = None  # checked by openai_tools.tool_request (400s name the tool's field)
+    tool_choice: Any = None  # none / auto / required / {"type": "function", "function": {"name": ...}}
+    parallel_tool_calls: bool | None = None  # false: at most one call
     functions: Any = None
     function_call: Any = None
     audio: Any = None
@@ -232,9 +232,34 @@ class ChatChoiceLogprobs(OpenAIModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaFunctionCall(OpenAIModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class DeltaToolCall(OpenAIModel):
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: DeltaFunctionCall | None = None
+
+
 class ChatResponseMessage(OpenAIModel):
     role: str = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
 class ChatCompletionChoice(OpenAIModel):
@@ -257,6 +282,8 @@ class ChatCompletionResponse(OpenAIModel):
 class DeltaMessage(OpenAIModel):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
 
 class ChatCompletionStreamChoice(OpenAIModel):

@@ -69,8 +69,10 @@ def _token_keys(bias: dict[str, float]) -> dict[int, float]:
     return out
 
 
-def chat_sampling_params(body: ChatCompletionRequest) -> tuple[SamplingParams, dict[str, str]]:
-    """SamplingParams of a chat request, and the user's names for renamed fields."""
+def chat_sampling_params(body: ChatCompletionRequest, tool_constraint: dict[str, Any] | None = None
+                         ) -> tuple[SamplingParams, dict[str, str]]:
+    """SamplingParams of a chat request, and the user's names for renamed fields. ``tool_constraint``: the
+    structured-output spec of ``tool_choice`` "required" or a named function (``openai_tools``)."""
     fields = _common_fields(body)
     names: dict[str, str] = {"logprobs": "top_logprobs"}
     if body.max_completion_tokens is not None:
@@ -81,6 +83,11 @@ def chat_sampling_params(body: ChatCompletionRequest) -> tuple[SamplingParams, d
         raise AdapterError("When using `top_logprobs`, `logprobs` must be set to true.", param="top_logprobs")
     fields["logprobs"] = (body.top_logprobs or 0) if body.logprobs else None
     fields["structured_outputs"], names["structured_outputs"] = structured_outputs(body)
+    if tool_constraint is not None:
+        if fields["structured_outputs"] is not None:
+            raise AdapterError(f"tool_choice {body.tool_choice!r:.60} constrains the output already; leave out "
+                               f"{names['structured_outputs']}.", param=names["structured_outputs"])
+        fields["structured_outputs"], names["structured_outputs"] = tool_constraint, "tools"
     return build_sampling_params(fields, field_names=names), names
 
 

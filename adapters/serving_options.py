@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import os
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 API_KEY_ENV = "VLLM_API_KEY"  # vLLM's variable, so a vLLM deployment's environment keeps working
 DEFAULT_MAX_REQUEST_BYTES = 8 << 20
@@ -42,6 +42,28 @@ class ServingOptions(BaseModel):
         "so different users never share cached blocks")
     expose_model_path: bool = Field(False, description="show the model's directory in /v1/models and /stats "
                                     "(off: only its name)")
+    enable_auto_tool_choice: bool = Field(
+        False, description="vLLM's --enable-auto-tool-choice: tool_choice 'auto' (the default with tools) lets the "
+        "model write calls, found by tool_call_parser; off: such requests get a 400")
+    tool_call_parser: str | None = Field(
+        None, description="vLLM's --tool-call-parser: hermes, llama3_json, deepseek_v3 or glm45 (adapters/tool_parsers.py)")
+    reasoning_parser: str | None = Field(
+        None, description="vLLM's --reasoning-parser: deepseek_r1 or glm45; the reasoning comes back as reasoning_content")
+
+    @model_validator(mode="after")
+    def _known_parsers(self) -> ServingOptions:
+        from .reasoning_parsers import REASONING_PARSERS
+        from .tool_parsers import TOOL_PARSERS
+
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_call_parser {self.tool_call_parser!r} is not one of {', '.join(sorted(TOOL_PARSERS))}")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise ValueError(f"reasoning_parser {self.reasoning_parser!r} is not one of "
+                             f"{', '.join(sorted(REASONING_PARSERS))}")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise ValueError("enable_auto_tool_choice needs a tool_call_parser (vLLM: --enable-auto-tool-choice "
+                             "requires --tool-call-parser)")
+        return self
 
     @field_validator("api_key", mode="before")
     @classmethod

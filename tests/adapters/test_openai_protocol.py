@@ -55,8 +55,6 @@ def test_no_engine_is_503_and_unknown_route_404(client):
 
 
 REFUSED_CHAT = [
-    ("tools", [{"type": "function", "function": {"name": "f", "parameters": {}}}]),
-    ("tool_choice", "auto"),
     ("functions", [{"name": "f"}]),
     ("function_call", "auto"),
     ("reasoning_effort", "low"),
