@@ -17,6 +17,7 @@ are left unmasked. Logprobs then describe the masked distribution, as vLLM's do.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import weakref
@@ -58,6 +59,9 @@ class GrammarCompiler:
             raise ValueError(f"invalid {kind} for structured outputs: {why[:300]}") from None
 
 
+BATCH_FILL_MIN_ROWS = 2  # constrained rows from which a step fills its masks on xgrammar's thread pool
+
+
 class RequestGrammar:
     """One sample's position in its grammar. ``live`` holds every matcher still referenced (by any
     engine of the process): while it is empty a step skips the scan for constrained rows."""
@@ -87,6 +91,18 @@ class RequestGrammar:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
+    @staticmethod
+    def fill_many(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
+        """``fill`` of several matchers at once, on xgrammar's thread pool (outside the GIL)."""
+        _batch_matcher().batch_fill_next_token_bitmask([g._matcher for g in grammars], bitmask, indices=rows)
+
+
+@functools.cache
+def _batch_matcher() -> Any:
+    import xgrammar as xgr
+
+    return xgr.BatchGrammarMatcher()
+
 
 def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, RequestGrammar, Sequence[int]]]) -> None:
     """Mask ``logits`` [R, V] in place: each (row, grammar, output ids so far) row keeps only the tokens its
@@ -101,7 +117,10 @@ def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, RequestGramma
     if not live:
         return
     bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    for row, grammar in live:
-        grammar.fill(bitmask, row)
+    if len(live) >= BATCH_FILL_MIN_ROWS:
+        RequestGrammar.fill_many([g for _, g in live], bitmask, [row for row, _ in live])
+    else:
+        for row, grammar in live:
+            grammar.fill(bitmask, row)
     xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
                                     indices=[row for row, _ in live])
