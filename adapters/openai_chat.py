@@ -1,6 +1,7 @@
 """``POST /chat/completions``: a conversation through the model's chat template, with
 ``n`` choices answered whole or streamed as SSE (a role chunk per choice, content chunks,
-a finish chunk, an optional usage chunk, then ``data: [DONE]``).
+a finish chunk, an optional usage chunk, then ``data: [DONE]``). Tools, tool calls and
+reasoning: ``openai_tools``.
 """
 
 from __future__ import annotations
@@ -40,12 +41,22 @@ from .openai_streaming import (
     sse_error,
     until_disconnect,
 )
+from .openai_tools import (
+    StreamedChoice,
+    finish_reason,
+    output_parser_factory,
+    response_message,
+    template_tool_calls,
+    tool_request,
+)
 from .serving_options import ServingOptions, effective_cache_salt
 
 logger = logging.getLogger(__name__)
 
 
-def _message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+def _message_dicts(messages: Sequence[ChatMessage], text_arguments: bool = False) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them (past calls' arguments as mappings, or as JSON text when
+    ``text_arguments``)."""
     if not messages:
         raise AdapterError("'messages' must contain at least one message.", param="messages")
     out = []
@@ -65,6 +76,12 @@ def _message_dicts(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
         msg: dict[str, Any] = {"role": m.role, "content": content if content is not None else ""}
         if m.name is not None:
             msg["name"] = m.name
+        if m.tool_calls is not None:
+            msg["tool_calls"] = template_tool_calls(m.tool_calls, i, text_arguments)
+        if m.tool_call_id is not None:
+            msg["tool_call_id"] = m.tool_call_id
+        if m.reasoning_content is not None:
+            msg["reasoning_content"] = m.reasoning_content
         out.append(msg)
     return out
 
@@ -102,9 +119,15 @@ def chat_template_kwargs(body: ChatCompletionRequest, options: ServingOptions) -
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Any:
     adapter, options = app_adapter(request), app_options(request)
     check_model(adapter, body.model)
-    params, names = chat_sampling_params(body)
+    tools = tool_request(body, options)
+    params, names = chat_sampling_params(body, tools.constraint)
     template_kwargs = chat_template_kwargs(body, options)
+    if tools.tools:
+        template_kwargs["tools"] = tools.tools
+    make_parser = output_parser_factory(tools, options)  # None: the output is plain content
+    prompt_tail: list[str] = []  # the rendered prompt's end: did the template open a reasoning block?
     messages = _message_dicts(body.messages)
+    has_calls = any(m.tool_calls for m in body.messages)
     salt = effective_cache_salt(body.cache_salt, body.user, from_user=options.cache_salt_from_user)
     rid = f"chatcmpl-{uuid.uuid4().hex}"  # the engine's id: made here, never from user input
     response_id = f"chatcmpl-{body.request_id}" if body.request_id is not None else rid
@@ -112,8 +135,18 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     handed_off = False
     try:
         async def start() -> tuple[AsyncIterator[RequestOutput], RequestOutput | None]:
-            prompt_ids = await adapter.encode_chat_async(messages, add_generation_prompt=body.add_generation_prompt,
-                                                         chat_template_kwargs=template_kwargs)
+            try:
+                prompt_ids = await adapter.encode_chat_async(messages, add_generation_prompt=body.add_generation_prompt,
+                                                             chat_template_kwargs=template_kwargs)
+            except AdapterError:
+                if not has_calls:
+                    raise
+                # a template that concatenates past calls' arguments as text (DeepSeek-V3's) gets the JSON text
+                prompt_ids = await adapter.encode_chat_async(_message_dicts(body.messages, text_arguments=True),
+                                                             add_generation_prompt=body.add_generation_prompt,
+                                                             chat_template_kwargs=template_kwargs)
+            if make_parser is not None:
+                prompt_tail.append(adapter.tokenizer.decode(prompt_ids[-16:]))
             stream = adapter.generate(prompt_ids, params, request_id=rid, cache_salt=salt, field_names=names)
             try:
                 return stream, await first_delta(stream)
@@ -130,7 +163,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
             gen = _chat_stream(response_id, model, params.n, first, stream, text, k, include_usage, details,
-                               on_close=release)
+                               on_close=release,
+                               make_stream=(lambda: StreamedChoice(make_parser("".join(prompt_tail))))
+                               if make_parser is not None else None)
             handed_off = True
             return StreamingResponse(gen, media_type="text/event-stream", headers=SSE_HEADERS)
         final = await until_disconnect(request, collect(stream, first))
@@ -140,19 +175,26 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     choices = []
     for c in final.outputs if final is not None else []:
         lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None else None
-        choices.append(ChatCompletionChoice(index=c.index, message=ChatResponseMessage(content=c.text), logprobs=lp,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+        message, reason = ChatResponseMessage(content=c.text), c.finish_reason
+        if make_parser is not None:
+            message = response_message(make_parser("".join(prompt_tail)).parse(c.text, final=True))
+            reason = finish_reason(reason, bool(message.tool_calls))
+        choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=lp,
+                                            finish_reason=reason, stop_reason=c.stop_reason))
     resp = ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage_info([final], details))
     return JSONResponse(resp.model_dump())
 
 
 async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput],
                        text: TokenText | None, k: int, include_usage: bool, details: bool,
-                       on_close: Callable[[], None]) -> AsyncIterator[str]:
-    """SSE events of a chat stream; the events of one delta go out in one write."""
+                       on_close: Callable[[], None],
+                       make_stream: Callable[[], StreamedChoice] | None = None) -> AsyncIterator[str]:
+    """SSE events of a chat stream; the events of one delta go out in one write. ``make_stream``: each
+    choice's output read as reasoning, content and tool calls (``openai_tools``), else it is all content."""
     created = int(time.time())
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
     content_events: dict[int, TextEvent] = {}
+    parsed: dict[int, StreamedChoice] = {}
 
     def chunk(choice: ChatCompletionStreamChoice) -> str:
         return sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=model,
@@ -170,6 +212,9 @@ async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None
     def events(delta: RequestOutput) -> str:
         out = []
         for c in delta.outputs:
+            if make_stream is not None:
+                out.extend(parsed_events(c))
+                continue
             if text is not None and (c.text or c.token_ids):
                 lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text)
                 out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
@@ -180,6 +225,23 @@ async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None
                 out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
                                                             finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
         return "".join(out)
+
+    def parsed_events(c: Any) -> list[str]:
+        sp = parsed.get(c.index)
+        if sp is None:
+            sp = parsed[c.index] = make_stream()  # type: ignore[misc]
+        done = c.finish_reason is not None
+        deltas = sp.feed(c.text, done) if c.text or done else []
+        lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None and c.token_ids else None
+        if not deltas and lp is not None:
+            deltas = [DeltaMessage()]
+        out = [chunk(ChatCompletionStreamChoice(index=c.index, delta=d, logprobs=lp if j == 0 else None,
+                                                finish_reason=None)) for j, d in enumerate(deltas)]
+        if done:
+            out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
+                                                        finish_reason=finish_reason(c.finish_reason, sp.called),
+                                                        stop_reason=c.stop_reason)))
+        return out
 
     last: RequestOutput | None = None
     try:
