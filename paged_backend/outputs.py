@@ -89,6 +89,8 @@ class RequestOutput:
     # TTFT / inter-token latency metrics see the steps, not the deliveries. [] otherwise.
     step_times: list[float] = field(default_factory=list)
     metrics: RequestMetrics | None = None  # set on the final output of a request
+    # with prompt_logprobs: each prompt token's rank in its position's distribution (1 = most likely); None first
+    prompt_logprob_ranks: list[int | None] | None = None
 
 
 def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutput:
@@ -100,7 +102,7 @@ def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
     """
     if acc is None:
         acc = RequestOutput(delta.request_id, delta.prompt, delta.prompt_token_ids, [], False, delta.usage,
-                            delta.prompt_logprobs, [])
+                            delta.prompt_logprobs, [], prompt_logprob_ranks=delta.prompt_logprob_ranks)
     by_index = {c.index: c for c in acc.outputs}
     added = False
     for c in delta.outputs:
@@ -123,5 +125,5 @@ def merge_delta(acc: RequestOutput | None, delta: RequestOutput) -> RequestOutpu
     if delta.metrics is not None:
         acc.metrics = delta.metrics
     if delta.prompt_logprobs is not None:
-        acc.prompt_logprobs = delta.prompt_logprobs
+        acc.prompt_logprobs, acc.prompt_logprob_ranks = delta.prompt_logprobs, delta.prompt_logprob_ranks
     return acc

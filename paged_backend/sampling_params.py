@@ -16,6 +16,8 @@ MAX_STOP_STRINGS = 64  # a stop string is searched for in every new piece of tex
 MAX_STOP_STRING_CHARS = 1024
 MAX_LOGIT_BIAS = 1024  # entries (OpenAI takes up to 300)
 MAX_STOP_TOKEN_IDS = 1024
+MAX_BAD_WORDS = 1024  # each is tokenized once per request and matched against the output every step
+MAX_BAD_WORD_CHARS = 1024
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -82,6 +84,9 @@ class SamplingParams(BaseModel):
     stop_token_ids: list[int] = Field(default_factory=list)
     logit_bias: dict[int, float] | None = Field(None, description="token id -> added to its logit (-100..100)")
     allowed_token_ids: list[int] | None = Field(None, description="only these token ids may be sampled")
+    bad_words: list[str] | None = Field(None, description="words never generated: the last token of each one's "
+                                                          "token sequence (with and without a leading space) is "
+                                                          "banned right after the rest of it")
     structured_outputs: StructuredOutputsParams | None = None
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
@@ -149,6 +154,20 @@ class SamplingParams(BaseModel):
             raise ValueError("allowed_token_ids must be non-negative token ids")
         return v
 
+    @field_validator("bad_words")
+    @classmethod
+    def _bad_words_valid(cls, v: list[str] | None) -> list[str] | None:
+        if v is None:
+            return v
+        if len(v) > MAX_BAD_WORDS:
+            raise ValueError(f"at most {MAX_BAD_WORDS} bad_words are allowed (got {len(v)})")
+        if any(not w.strip() for w in v):
+            raise ValueError("bad_words must not be empty or blank")
+        longest = max(map(len, v), default=0)
+        if longest > MAX_BAD_WORD_CHARS:
+            raise ValueError(f"a bad word may have at most {MAX_BAD_WORD_CHARS} characters (got {longest})")
+        return v
+
     @property
     def biases_logits(self) -> bool:
         """Whether ``logit_bias`` or ``allowed_token_ids`` change the logits."""
@@ -165,6 +184,8 @@ class SamplingParams(BaseModel):
         if self.use_beam_search and self.biases_logits:
             raise ValueError("logit_bias and allowed_token_ids do not apply to beam search (it ranks the raw "
                              "logprobs)")
+        if self.use_beam_search and self.bad_words:
+            raise ValueError("bad_words do not apply to beam search (it ranks the raw logprobs)")
         if self.use_beam_search and self.beam_width < 2 and self.n < 2:
             # beam search with one beam is greedy; allowed, but beam_width follows n
             pass

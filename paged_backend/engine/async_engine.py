@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import functools
+import itertools
 import logging
 import queue
 import threading
@@ -22,6 +23,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from paged_backend.config import EngineConfig
+from paged_backend.engine.beam_search import BeamState
 from paged_backend.engine.gc_heap import frozen_heap
 from paged_backend.engine.llm_engine import LLMEngine, PreparedRequest
 from paged_backend.errors import EngineDeadError, InvalidRequestError
@@ -83,6 +85,18 @@ class _Stream:
                 self.waiter = None
 
 
+async def _gather(coros: list[Any]) -> list[Any]:
+    """``asyncio.gather`` that cancels and awaits the others when one fails or it is cancelled."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 def _wake(streams: list[_Stream]) -> None:
     """Event loop thread: resume the consumers among ``streams`` that wait for an output."""
     for s in streams:
@@ -111,6 +125,7 @@ class AsyncEngine:
         self.engine = LLMEngine(self.config)
         self._inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        self._beams: dict[str, list[str]] = {}  # beam searches in flight: their current round's request ids
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stopped = threading.Event()
@@ -140,7 +155,7 @@ class AsyncEngine:
     def has_request(self, request_id: str) -> bool:
         """Whether a request of this id is in flight (submitted, its stream not yet closed)."""
         with self._lock:
-            return request_id in self._streams
+            return request_id in self._streams or request_id in self._beams
 
     async def run_blocking(self, fn: Any, *args: Any, **kwargs: Any) -> Any:
         """Run CPU-bound input work (tokenizing, chat templates) off the caller's event loop."""
@@ -201,11 +216,71 @@ class AsyncEngine:
             with self._lock:
                 self._streams.pop(request_id, None)
 
+    async def beam_search(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        sampling_params: SamplingParams,
+        *,
+        cache_salt: str | None = None,
+    ) -> AsyncIterator[RequestOutput]:
+        """Beam search (``use_beam_search``): ONE finished output, after the last round (as vLLM's OpenAI
+        server answers it, streamed or not). Each round is a one-token request per beam
+        (``<request_id>#beam-<round>-<beam>``, ``engine/beam_search.py``), all submitted at once; leaving
+        early aborts them. Raises InvalidRequestError before the first output."""
+        if self._dead is not None:
+            raise EngineDeadError(f"the engine loop died: {self._dead!r}")
+        request_id = request_id or uuid.uuid4().hex
+        if isinstance(prompt, str):
+            prep = await self.run_blocking(self.engine.process_input, request_id, prompt, sampling_params,
+                                           cache_salt=cache_salt)
+        else:
+            prep = self.engine.process_input(request_id, prompt, sampling_params, cache_salt=cache_salt)
+        with self._lock:
+            if request_id in self._streams or request_id in self._beams:
+                raise InvalidRequestError(f"Request id {request_id!r} is already in use.", param="request_id")
+            self._beams[request_id] = []
+        try:
+            state = BeamState.start(prompt, prep.prompt_token_ids, prep.params, self.engine.eos_token_ids,
+                                    self.engine.max_model_len)
+            one = state.round_params()
+            for r in itertools.count():
+                if state.done:
+                    break
+                ids = [f"{request_id}#beam-{r}-{b}" for b in range(len(state.beams))]
+                with self._lock:
+                    self._beams[request_id] = ids
+                outs = await _gather([self._final(rid, p, one, cache_salt) for rid, p in
+                                      zip(ids, state.round_requests(), strict=True)])
+                if any(o is None or not o.outputs or o.outputs[0].finish_reason == "abort"
+                       or not o.outputs[0].logprobs for o in outs):
+                    state.abort()
+                else:
+                    state.select([o.outputs[0].logprobs[0] for o in outs])
+            yield state.output(request_id, self.engine.tokenizer)
+        finally:
+            with self._lock:
+                self._beams.pop(request_id, None)
+
+    async def _final(self, request_id: str, prompt: list[int], params: SamplingParams,
+                     cache_salt: str | None) -> RequestOutput | None:
+        acc = None
+        async for delta in self.generate(request_id, prompt, params, cache_salt=cache_salt):
+            acc = merge_delta(acc, delta)
+        return acc
+
     async def abort(self, request_id: str) -> None:
-        """Abort a request; its blocks are back in the pool when this returns."""
-        done = threading.Event()
-        self._send("abort", request_id, done)
-        await asyncio.get_running_loop().run_in_executor(None, done.wait, 5.0)
+        """Abort a request (a beam search: its current round); its blocks are back in the pool when this returns."""
+        with self._lock:
+            ids = self._beams.get(request_id) or [request_id]
+        events = []
+        for rid in ids:
+            done = threading.Event()
+            self._send("abort", rid, done)
+            events.append(done)
+        loop = asyncio.get_running_loop()
+        for done in events:
+            await loop.run_in_executor(None, done.wait, 5.0)
 
     def abort_all(self, timeout: float = 5.0) -> int:
         """Abort every request in flight (each ends with finish_reason "abort"); returns how many."""

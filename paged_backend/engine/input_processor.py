@@ -88,7 +88,26 @@ class InputProcessor:
         max_tokens = self._max_tokens(len(ids), params)
         return PreparedRequest(request_id, text, ids, params, max_tokens,
                                time.monotonic() if arrival_time is None else arrival_time, cache_salt,
-                               grammar=self._compile_grammar(params))
+                               grammar=self._compile_grammar(params), bad_words_token_ids=self._bad_words(params))
+
+    def _bad_words(self, params: SamplingParams) -> tuple[tuple[int, ...], ...]:
+        """``params.bad_words`` as token sequences (vLLM's rule): each word as it is, and with a leading space
+        where that gives another first token and as many tokens."""
+        if not params.bad_words:
+            return ()
+        if self.tokenizer is None:
+            raise InvalidRequestError("bad_words need the model's tokenizer; this model has none.", param="bad_words")
+        out: list[tuple[int, ...]] = []
+        for word in params.bad_words:
+            plain = tuple(self.tokenizer.encode(word.lstrip(), add_special_tokens=False))
+            spaced = tuple(self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False))
+            if not plain or any(not 0 <= t < self.vocab_size for t in plain + spaced):
+                raise InvalidRequestError(f"bad word {word[:40]!r} has no tokens in this model's vocabulary.",
+                                          param="bad_words")
+            out.append(plain)
+            if spaced and spaced[0] != plain[0] and len(spaced) == len(plain):
+                out.append(spaced)
+        return tuple(dict.fromkeys(out))
 
     def _prompt_ids(self, prompt: str | list[int] | None) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
@@ -150,7 +169,7 @@ class InputProcessor:
         samples = [self._new_sample(prep, i) for i in range(prep.params.n)]
         group = RequestGroup(prep, samples, pending_forks=samples[1:], kind=prep.params.output_kind)
         if prep.params.prompt_logprobs is not None:
-            group.prompt_logprobs = [None]
+            group.prompt_logprobs, group.prompt_logprob_ranks = [None], [None]
         return group
 
     def _new_sample(self, prep: PreparedRequest, index: int) -> SampleState:
@@ -173,7 +192,8 @@ class InputProcessor:
             stop_ids.update(self.eos_token_ids)
         fast_from = fast_greedy_from(params, self.eos_token_ids)
         max_output = min(prep.max_tokens, self.max_model_len - len(prep.prompt_token_ids))
-        return SampleState(req, gen, detok, RowSpec.of(params, self.eos_token_ids), max_output,
+        return SampleState(req, gen, detok, RowSpec.of(params, self.eos_token_ids, prep.bad_words_token_ids),
+                           max_output,
                            fast_from=NEVER if fast_from is None else fast_from,
                            stop_ids=frozenset(stop_ids), wants_logprobs=params.logprobs is not None,
                            grammar=RequestGrammar(prep.grammar) if prep.grammar is not None else None)

@@ -17,7 +17,7 @@ from paged_backend.core.scheduler import Scheduler
 from paged_backend.engine.request_state import RequestGroup, Row, SampleState
 from paged_backend.engine.stats import EngineStats
 from paged_backend.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
-from paged_backend.sample.sampler import compute_prompt_logprobs
+from paged_backend.sample.logprobs import prompt_logprobs_and_ranks
 from paged_backend.sampling_params import RequestOutputKind
 
 
@@ -106,8 +106,9 @@ class OutputProcessor:
             skip = max(0, have - (start + 1))
             if skip < logits.shape[0]:
                 targets = prompt[start + 1 + skip : start + 1 + logits.shape[0]]
-                group.prompt_logprobs.extend(
-                    compute_prompt_logprobs(logits[skip:], targets, group.prep.params.prompt_logprobs))
+                dicts, ranks = prompt_logprobs_and_ranks(logits[skip:], targets, group.prep.params.prompt_logprobs)
+                group.prompt_logprobs.extend(dicts)
+                group.prompt_logprob_ranks.extend(ranks)
 
     def make_output(self, group: RequestGroup, step_time: float | None = None) -> RequestOutput:
         """The group's output of its kind: DELTA holds what is new since the last one (and resets
@@ -115,9 +116,10 @@ class OutputProcessor:
         that produced a DELTA's new tokens was processed (its ``step_times``)."""
         delta = group.kind is RequestOutputKind.DELTA
         outs = [c for c in (_completion(s, delta) for s in group.samples) if c is not None]
-        prompt_lp = None
+        prompt_lp = prompt_ranks = None
         if group.prompt_logprobs is not None and (not delta or not group.prompt_logprobs_sent):
-            prompt_lp, group.prompt_logprobs_sent = group.prompt_logprobs, True
+            prompt_lp, prompt_ranks = group.prompt_logprobs, group.prompt_logprob_ranks
+            group.prompt_logprobs_sent = True
         lead = group.samples[0].request
         usage = Usage(
             prompt_tokens=lead.num_prompt_tokens,
@@ -131,7 +133,7 @@ class OutputProcessor:
             metrics = RequestMetrics(group.prep.arrival_time, lead.first_scheduled_time, group.first_token_time,
                                      step_time if step_time is not None else time.monotonic())
         return RequestOutput(group.prep.request_id, group.prep.prompt, group.prep.prompt_token_ids,
-                             outs, finished, usage, prompt_lp, times, metrics)
+                             outs, finished, usage, prompt_lp, times, metrics, prompt_logprob_ranks=prompt_ranks)
 
 
 def _completion(s: SampleState, delta: bool) -> CompletionOutput | None:

@@ -35,6 +35,7 @@ class PreparedRequest:
     arrival_time: float
     cache_salt: str | None = None
     grammar: Any = None  # the compiled grammar of ``params.structured_outputs`` (sample/grammar.py)
+    bad_words_token_ids: tuple[tuple[int, ...], ...] = ()  # ``params.bad_words`` tokenized
 
 
 @dataclass(eq=False)
@@ -72,6 +73,7 @@ class RequestGroup:
     samples: list[SampleState]
     pending_forks: list[SampleState]  # samples 1..n-1 until sample 0's prompt is computed
     prompt_logprobs: list[LogprobsDict | None] | None = None
+    prompt_logprob_ranks: list[int | None] | None = None
     prompt_logprobs_sent: bool = False
     first_token_time: float | None = None
     kind: RequestOutputKind = RequestOutputKind.DELTA

@@ -42,9 +42,13 @@ class RowSpec(NamedTuple):
     min_tokens_bans: tuple[int, ...]  # stop / EOS ids banned while output < min_tokens, sorted
     logit_bias: tuple[tuple[int, float], ...]  # (token, bias) pairs added to the logits
     allowed: tuple[int, ...] | None  # the only token ids that may be sampled; None: all
+    # bad_words as token sequences: the last token of one is banned while the output ends with the rest
+    bad_words: tuple[tuple[int, ...], ...] = ()
 
     @classmethod
-    def of(cls, p: SamplingParams, eos_token_ids: tuple[int, ...]) -> RowSpec:
+    def of(cls, p: SamplingParams, eos_token_ids: tuple[int, ...],
+           bad_words: tuple[tuple[int, ...], ...] = ()) -> RowSpec:
+        """``bad_words``: ``p.bad_words`` tokenized (``bad_words_token_ids``); the sampler has no tokenizer."""
         bans: set[int] = set()
         if p.min_tokens > 0:
             bans.update(p.stop_token_ids)
@@ -54,7 +58,7 @@ class RowSpec(NamedTuple):
         return cls(greedy, 1.0 if greedy else p.temperature, p.effective_top_k, p.top_p, p.min_p,
                    p.repetition_penalty, p.frequency_penalty, p.presence_penalty, p.needs_penalties,
                    p.logprobs, p.min_tokens, tuple(sorted(bans)), tuple(sorted((p.logit_bias or {}).items())),
-                   None if p.allowed_token_ids is None else tuple(sorted(set(p.allowed_token_ids))))
+                   None if p.allowed_token_ids is None else tuple(sorted(set(p.allowed_token_ids))), bad_words)
 
 
 @dataclass
@@ -118,15 +122,30 @@ def fast_greedy_from(params: SamplingParams, eos_token_ids: tuple[int, ...]) -> 
     """From how many output tokens on a request's row may skip the sampler's stages; None: never.
 
     Such a row's token is the argmax of its raw logits, exactly what the full sampler picks:
-    greedy, no penalties, logit bias or allowed-token mask (they change the logits) and no logprobs
+    greedy, no penalties, logit bias, allowed-token mask or bad words (they change the logits) and no logprobs
     (nothing else to compute).
     ``min_tokens`` bans stop / EOS ids only while the output is shorter, and only if there are
     any (``ignore_eos`` without ``stop_token_ids`` bans nothing).
     """
-    if not params.greedy or params.needs_penalties or params.logprobs is not None or params.biases_logits:
+    if (not params.greedy or params.needs_penalties or params.logprobs is not None or params.biases_logits
+            or params.bad_words):
         return None
     bans = bool(params.stop_token_ids) or (not params.ignore_eos and bool(eos_token_ids))
     return params.min_tokens if bans else 0
+
+
+def bad_word_bans(words: tuple[tuple[int, ...], ...], output_token_ids: Sequence[int]) -> list[int]:
+    """The tokens ``bad_words`` ban next (vLLM's rule): the last token of each word whose other tokens end
+    the output so far (a one-token word always); only the output counts, never the prompt."""
+    out = []
+    n = len(output_token_ids)
+    for word in words:
+        k = len(word) - 1
+        if k > n:
+            continue
+        if k == 0 or list(output_token_ids[n - k:]) == list(word[:k]):
+            out.append(word[-1])
+    return out
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -181,7 +200,8 @@ class BatchPlan:
         self.num_rows = n = len(specs)
         self.vocab_size = v = vocab_size
         (greedy, temperature, top_k, top_p, min_p, repetition, frequency, presence, needs_penalties,
-         logprobs, min_tokens, bans, biases, allowed) = zip(*specs, strict=True) if n else ((),) * len(RowSpec._fields)
+         logprobs, min_tokens, bans, biases, allowed, bad_words) = (zip(*specs, strict=True) if n else
+                                                                    ((),) * len(RowSpec._fields))
         self.greedy = greedy
         self.all_greedy = all(greedy)
         self.all_random = not any(greedy)
@@ -205,17 +225,23 @@ class BatchPlan:
         self.any_penalty = any(needs_penalties)
         self.any_repetition = any(r != 1.0 for r in repetition)
 
-        # min_tokens: (row, token) pairs to ban this step
+        # min_tokens and bad_words: (row, token) pairs to ban this step
         self.banned_rows: list[int] = []
         self.banned_tokens: list[int] = []
+        outs = meta.output_token_ids
         if any(bans):
-            outs = meta.output_token_ids
             for i, (m, row_bans) in enumerate(zip(min_tokens, bans, strict=True)):
                 if row_bans and len(outs[i]) < m:
                     for t in row_bans:
                         if 0 <= t < v:
                             self.banned_rows.append(i)
                             self.banned_tokens.append(t)
+        if any(bad_words):
+            for i, words in enumerate(bad_words):
+                for t in bad_word_bans(words, outs[i]):
+                    if 0 <= t < v:
+                        self.banned_rows.append(i)
+                        self.banned_tokens.append(t)
 
         # logit_bias: (row, token, bias) triples; allowed_token_ids: (row, token) pairs kept in masked rows
         self.bias_rows: list[int] = []

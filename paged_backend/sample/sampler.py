@@ -2,7 +2,8 @@
 
     raw logits --(logprobs, top-N)-------------------------------------------------+
         |                                                                          |
-    min_tokens -> repetition -> presence/frequency --+-- greedy rows: argmax       |
+    allowed ids -> logit_bias -> min_tokens / bad_words bans                       |
+      -> repetition -> presence/frequency -----------+-- greedy rows: argmax       |
                                                      +-- random rows: / T -> min_p |
                                                           -> top_k -> top_p ->     |
                                                           exponential race         |
@@ -125,8 +126,8 @@ class Sampler:
     def _apply_history(
         self, x: torch.Tensor, plan: BatchPlan, meta: SamplingMetadata, device: torch.device
     ) -> torch.Tensor:
-        """allowed_token_ids masks, logit_bias, min_tokens bans, then repetition / presence / frequency
-        penalties (vLLM's order)."""
+        """allowed_token_ids masks, logit_bias, min_tokens and bad_words bans (-inf: the bias order does not
+        matter to them), then repetition / presence / frequency penalties (vLLM's order)."""
         if plan.allowed_rows:
             rows = plan.index_tensor(plan.allowed_rows, device)
             keep = torch.zeros((len(plan.allowed_rows), x.shape[1]), dtype=torch.bool, device=device)
