@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from paged_backend.outputs import RequestOutput
 
 from .adapter_errors import AdapterError, to_adapter_error
-from .openai_outputs import TokenText, chat_logprobs, usage_info
+from .openai_outputs import TokenText, chat_logprobs, prompt_logprobs, running_usage, usage_info
 from .openai_protocol import (
     ChatCompletionChoice,
     ChatCompletionChunk,
@@ -161,9 +161,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         k = body.top_logprobs or 0
         details = options.enable_prompt_tokens_details
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage = bool(body.stream_options and body.stream_options.wants_usage)
             gen = _chat_stream(response_id, model, params.n, first, stream, text, k, include_usage, details,
-                               on_close=release,
+                               on_close=release, return_token_ids=bool(body.return_token_ids),
+                               continuous_usage=bool(body.stream_options and body.stream_options.continuous),
                                make_stream=(lambda: StreamedChoice(make_parser("".join(prompt_tail))))
                                if make_parser is not None else None)
             handed_off = True
@@ -173,6 +174,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         if not handed_off:
             release()
     choices = []
+    ids = bool(body.return_token_ids)
     for c in final.outputs if final is not None else []:
         lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None else None
         message, reason = ChatResponseMessage(content=c.text), c.finish_reason
@@ -180,25 +182,36 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
             message = response_message(make_parser("".join(prompt_tail)).parse(c.text, final=True))
             reason = finish_reason(reason, bool(message.tool_calls))
         choices.append(ChatCompletionChoice(index=c.index, message=message, logprobs=lp,
-                                            finish_reason=reason, stop_reason=c.stop_reason))
+                                            finish_reason=reason, stop_reason=c.stop_reason,
+                                            token_ids=list(c.token_ids) if ids else None))
     resp = ChatCompletionResponse(id=response_id, model=model, choices=choices, usage=usage_info([final], details))
+    if final is not None and body.prompt_logprobs is not None:
+        resp.prompt_logprobs = prompt_logprobs(final, body.prompt_logprobs, TokenText(adapter.tokenizer))
+    if final is not None and ids:
+        resp.prompt_token_ids = list(final.prompt_token_ids)
     return JSONResponse(resp.model_dump())
 
 
 async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None, stream: AsyncIterator[RequestOutput],
                        text: TokenText | None, k: int, include_usage: bool, details: bool,
-                       on_close: Callable[[], None],
+                       on_close: Callable[[], None], return_token_ids: bool = False,
+                       continuous_usage: bool = False,
                        make_stream: Callable[[], StreamedChoice] | None = None) -> AsyncIterator[str]:
-    """SSE events of a chat stream; the events of one delta go out in one write. ``make_stream``: each
-    choice's output read as reasoning, content and tool calls (``openai_tools``), else it is all content."""
+    """SSE events of a chat stream; the events of one delta go out in one write. ``return_token_ids``: the
+    prompt's ids on the first chunk, each chunk's new ids on its choice; ``continuous_usage``: every chunk
+    carries its choice's usage so far; ``make_stream``: each choice's output read as reasoning, content and
+    tool calls (``openai_tools``), else it is all content."""
     created = int(time.time())
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
     content_events: dict[int, TextEvent] = {}
+    num_prompt = first.usage.prompt_tokens if first is not None else 0
     parsed: dict[int, StreamedChoice] = {}
 
-    def chunk(choice: ChatCompletionStreamChoice) -> str:
+    def chunk(choice: ChatCompletionStreamChoice, completion_tokens: int = 0, **more: Any) -> str:
+        if continuous_usage:
+            more["usage"] = running_usage(num_prompt, completion_tokens)
         return sse(ChatCompletionChunk(id=rid, object="chat.completion.chunk", created=created, model=model,
-                                       choices=[choice], **extra))
+                                       choices=[choice], **{**extra, **more}))
 
     def content(index: int, s: str) -> str:
         event = content_events.get(index)
@@ -212,42 +225,50 @@ async def _chat_stream(rid: str, model: str, n: int, first: RequestOutput | None
     def events(delta: RequestOutput) -> str:
         out = []
         for c in delta.outputs:
+            ids: dict[str, Any] = {"token_ids": list(c.token_ids)} if return_token_ids else {}
             if make_stream is not None:
-                out.extend(parsed_events(c))
+                out.extend(parsed_events(c, ids))
                 continue
-            if text is not None and (c.text or c.token_ids):
-                lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text)
+            if (text is not None or return_token_ids) and (c.text or c.token_ids):
+                lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None else None
                 out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
-                                                            logprobs=lp, finish_reason=None)))
+                                                            logprobs=lp, finish_reason=None, **ids),
+                                 c.num_output_tokens))
             elif c.text:
-                out.append(content(c.index, c.text))
+                out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(content=c.text),
+                                                            logprobs=None, finish_reason=None), c.num_output_tokens)
+                           if continuous_usage else content(c.index, c.text))
             if c.finish_reason is not None:
                 out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
-                                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason)))
+                                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason),
+                                 c.num_output_tokens))
         return "".join(out)
 
-    def parsed_events(c: Any) -> list[str]:
+    def parsed_events(c: Any, ids: dict[str, Any]) -> list[str]:
         sp = parsed.get(c.index)
         if sp is None:
             sp = parsed[c.index] = make_stream()  # type: ignore[misc]
         done = c.finish_reason is not None
         deltas = sp.feed(c.text, done) if c.text or done else []
         lp = chat_logprobs(c.token_ids, c.logprobs or [], k, text) if text is not None and c.token_ids else None
-        if not deltas and lp is not None:
+        if not deltas and (lp is not None or (ids and c.token_ids)):
             deltas = [DeltaMessage()]
         out = [chunk(ChatCompletionStreamChoice(index=c.index, delta=d, logprobs=lp if j == 0 else None,
-                                                finish_reason=None)) for j, d in enumerate(deltas)]
+                                                finish_reason=None, **(ids if j == 0 else {})), c.num_output_tokens)
+               for j, d in enumerate(deltas)]
         if done:
             out.append(chunk(ChatCompletionStreamChoice(index=c.index, delta=DeltaMessage(),
                                                         finish_reason=finish_reason(c.finish_reason, sp.called),
-                                                        stop_reason=c.stop_reason)))
+                                                        stop_reason=c.stop_reason), c.num_output_tokens))
         return out
 
     last: RequestOutput | None = None
     try:
         # the role chunks go out with the first delta's events
+        prompt_ids = {"prompt_token_ids": list(first.prompt_token_ids)} if return_token_ids and first else {}
         head = "".join(chunk(ChatCompletionStreamChoice(index=i, delta=DeltaMessage(role="assistant", content=""),
-                                                        logprobs=None, finish_reason=None)) for i in range(n))
+                                                        logprobs=None, finish_reason=None), 0,
+                             **(prompt_ids if i == 0 else {})) for i in range(n))
         async for delta in chain(first, stream):
             last = delta
             out, head = head + events(delta), ""

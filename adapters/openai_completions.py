@@ -17,7 +17,14 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from paged_backend.outputs import CompletionOutput, LogprobsDict, RequestOutput
 
 from .adapter_errors import AdapterError, to_adapter_error
-from .openai_outputs import TokenText, completion_logprobs, extend_logprobs, usage_info
+from .openai_outputs import (
+    TokenText,
+    completion_logprobs,
+    extend_logprobs,
+    prompt_logprobs,
+    running_usage,
+    usage_info,
+)
 from .openai_protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
 from .openai_sampling import completion_sampling_params
 from .openai_state import app_adapter, app_options, app_request_ids, check_model
@@ -77,7 +84,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Any:
         model = adapter.served_model_name
         details = options.enable_prompt_tokens_details
         if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            include_usage = bool(body.stream_options and body.stream_options.wants_usage)
             gen = _completion_stream(response_id, model, params.n, firsts, streams, echoes, body, text, include_usage,
                                      details, on_close=release)
             handed_off = True
@@ -110,8 +117,14 @@ def _completion_choices(finals: list[RequestOutput | None], body: CompletionRequ
                                                      text, 0)
                 gen_lp, _ = completion_logprobs(c.token_ids, c.logprobs or [], body.logprobs, text, offset)
                 extend_logprobs(lp, gen_lp)
-            choices.append(CompletionChoice(index=pi * n + c.index, text=echoes[pi] + c.text, logprobs=lp,
-                                            finish_reason=c.finish_reason, stop_reason=c.stop_reason))
+            ids = bool(body.return_token_ids)
+            choices.append(CompletionChoice(
+                index=pi * n + c.index, text=echoes[pi] + c.text, logprobs=lp, finish_reason=c.finish_reason,
+                stop_reason=c.stop_reason,
+                prompt_logprobs=prompt_logprobs(final, body.prompt_logprobs, text)
+                if body.prompt_logprobs is not None else None,
+                prompt_token_ids=list(final.prompt_token_ids) if ids else None,
+                token_ids=list(c.token_ids) if ids else None))
     return choices
 
 
@@ -120,6 +133,8 @@ class _CompletionEvents:
 
     A choice's first event starts with its prompt's echo (and, with ``echo`` and
     ``logprobs``, the prompt's logprobs); logprobs' text offsets count on across deltas.
+    ``return_token_ids``: a choice's first event carries its prompt's ids, every event its new ids;
+    ``continuous_usage_stats``: every event carries its choice's usage so far.
     """
 
     def __init__(self, rid: str, model: str, n: int, echoes: list[str], body: CompletionRequest, text: TokenText,
@@ -132,13 +147,19 @@ class _CompletionEvents:
         self.last: dict[int, RequestOutput] = {}  # the latest delta of each prompt: its usage is the total so far
         self.prompt_logprobs: dict[int, list[LogprobsDict | None]] = {}
         self.text_events: dict[int, TextEvent] = {}
+        self.token_ids = bool(body.return_token_ids)
+        self.sent_prompt_ids: set[int] = set()
+        self.continuous = bool(body.stream_options and body.stream_options.continuous)
 
     def _response(self, choices: list[CompletionChoice], **fields: Any) -> CompletionResponse:
         return CompletionResponse(id=self.rid, object="text_completion", created=self.created, model=self.model,
                                   choices=choices, **fields)
 
-    def _chunk(self, choice: CompletionChoice) -> str:
-        return sse(self._response([choice], **self.extra))
+    def _chunk(self, choice: CompletionChoice, usage: tuple[RequestOutput, CompletionOutput] | None = None) -> str:
+        extra = self.extra
+        if self.continuous and usage is not None:
+            extra = {"usage": running_usage(usage[0].usage.prompt_tokens, usage[1].num_output_tokens)}
+        return sse(self._response([choice], **extra))
 
     def _text_chunk(self, index: int, s: str) -> str:
         event = self.text_events.get(index)
@@ -166,18 +187,26 @@ class _CompletionEvents:
             if k is not None and self.body.echo and pi in self.prompt_logprobs:
                 lp, self.offsets[index] = completion_logprobs(delta.prompt_token_ids, self.prompt_logprobs[pi], k,
                                                               text, 0)
-        if prefix or c.text or (k is not None and c.token_ids):
+        ids: dict[str, Any] = {"token_ids": list(c.token_ids)} if self.token_ids else {}
+        first = self.token_ids and index not in self.sent_prompt_ids
+        if first:
+            self.sent_prompt_ids.add(index)
+            ids["prompt_token_ids"] = list(delta.prompt_token_ids)
+        if prefix or c.text or ((k is not None or self.token_ids) and c.token_ids) or first:
             if lp is not None:
                 more, self.offsets[index] = completion_logprobs(c.token_ids, c.logprobs or [], k, text,
                                                                 self.offsets.get(index, 0))
                 extend_logprobs(lp, more)
                 out.append(self._chunk(CompletionChoice(index=index, text=prefix + c.text, logprobs=lp,
-                                                        finish_reason=None)))
+                                                        finish_reason=None, **ids), (delta, c)))
+            elif ids or self.continuous:
+                out.append(self._chunk(CompletionChoice(index=index, text=prefix + c.text, logprobs=None,
+                                                        finish_reason=None, **ids), (delta, c)))
             else:
                 out.append(self._text_chunk(index, prefix + c.text))
         if c.finish_reason is not None:
             out.append(self._chunk(CompletionChoice(index=index, text="", finish_reason=c.finish_reason,
-                                                    stop_reason=c.stop_reason)))
+                                                    stop_reason=c.stop_reason), (delta, c)))
         return "".join(out)
 
     def usage(self, details: bool) -> str:

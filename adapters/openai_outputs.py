@@ -13,6 +13,8 @@ from .openai_protocol import (
     ChatChoiceLogprobs,
     ChatTokenLogprob,
     CompletionLogprobs,
+    PromptLogprob,
+    PromptLogprobs,
     PromptTokensDetails,
     TopLogprob,
     UsageInfo,
@@ -26,6 +28,12 @@ def usage_info(outs: Sequence[RequestOutput | None], details: bool = True) -> Us
     cached = sum(o.usage.cached_tokens for o in outs if o is not None)
     return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=cached) if details else None)
+
+
+def running_usage(prompt_tokens: int, completion_tokens: int) -> UsageInfo:
+    """The usage on a chunk of a stream with ``continuous_usage_stats`` (vLLM's: its choice's tokens so far)."""
+    return UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens)
 
 
 class TokenText:
@@ -84,3 +92,24 @@ def extend_logprobs(acc: CompletionLogprobs, more: CompletionLogprobs) -> None:
     acc.token_logprobs += more.token_logprobs
     acc.top_logprobs += more.top_logprobs
     acc.text_offset += more.text_offset
+
+
+def prompt_logprobs(out: RequestOutput, k: int, text: TokenText) -> PromptLogprobs | None:
+    """vLLM's ``prompt_logprobs`` of a response: null for the first prompt token, then per position the
+    prompt token (its rank in the whole vocabulary) and the top ``k`` (ranks 1..k), -inf as -9999.0."""
+    if out.prompt_logprobs is None:
+        return None
+    ranks = out.prompt_logprob_ranks or []
+    entries: PromptLogprobs = []
+    for pos, d in enumerate(out.prompt_logprobs):
+        if d is None or pos >= len(out.prompt_token_ids):
+            entries.append(None)
+            continue
+        tid = out.prompt_token_ids[pos]
+        rank = ranks[pos] if pos < len(ranks) else None
+        entry = {tid: PromptLogprob(logprob=max(d.get(tid, float("-inf")), -9999.0), rank=rank,
+                                    decoded_token=text(tid))}
+        for r, (t, lp) in enumerate(_top(d, k)):
+            entry[t] = PromptLogprob(logprob=max(lp, -9999.0), rank=r + 1, decoded_token=text(t))
+        entries.append(entry)
+    return entries

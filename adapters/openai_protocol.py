@@ -59,6 +59,17 @@ class OpenAIRequest(OpenAIModel):
 
 class StreamOptions(OpenAIRequest):
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # vLLM's: usage on every chunk too (with include_usage, or alone)
+
+    @property
+    def wants_usage(self) -> bool:
+        """The closing usage chunk: ``include_usage``, or ``continuous_usage_stats`` without it (vLLM's
+        ``include_usage`` defaults to true)."""
+        return self.include_usage if "include_usage" in self.model_fields_set else self.continuous_usage_stats
+
+    @property
+    def continuous(self) -> bool:
+        return self.continuous_usage_stats and self.wants_usage
 
 
 # Fields of OpenAI's API (and vLLM's extras that change the output) not implemented, with the values that
@@ -74,16 +85,14 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "verbosity": (),
     "store": (False,),
     "best_of": (1,),
-    "use_beam_search": (False,),
     "guided_decoding_backend": ("auto", "xgrammar"),
     "guided_whitespace_pattern": (),
-    "prompt_logprobs": (),
-    "bad_words": ([],),
-    "return_token_ids": (False,),
 }
 _WHY = {
     "functions": "the legacy functions field is not supported; send tools", "function_call": "the legacy function_call field is not supported; send tool_choice",
-    "store": "storing responses is not supported", "use_beam_search": "beam search is not supported through this API yet",
+    "store": "storing responses is not supported",
+    "best_of": "best_of is not supported (vLLM's V1 engine dropped it); use n, or use_beam_search with n as the "
+               "beam width",
 }
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
@@ -145,13 +154,15 @@ class _SamplingFields(OpenAIRequest):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
-    # not implemented: refused unless neutral (UNSUPPORTED)
+    # beam search: n is the beam width (and the number of choices), as in vLLM
     use_beam_search: bool | None = None
+    length_penalty: float | None = None
+    prompt_logprobs: int | None = None  # top prompt logprobs per prompt position (non-streamed responses)
+    bad_words: list[str] | None = None
+    return_token_ids: bool | None = None  # prompt_token_ids and each choice's token_ids in the response
+    # not implemented: refused unless neutral (UNSUPPORTED)
     guided_decoding_backend: Any = None
     guided_whitespace_pattern: Any = None
-    prompt_logprobs: Any = None
-    bad_words: Any = None
-    return_token_ids: Any = None
     store: Any = None
 
     # every UNSUPPORTED field, here or on a route's request (chat's tools, completions' best_of)
@@ -262,12 +273,28 @@ class ChatResponseMessage(OpenAIModel):
     tool_calls: list[ToolCall] = Field(default_factory=list)
 
 
+# vLLM's extras of a response, left out of the JSON unless asked for (return_token_ids, prompt_logprobs)
+_ABSENT_IF_NONE = Field(None, exclude_if=lambda v: v is None)
+
+
+class PromptLogprob(OpenAIModel):
+    """vLLM's entry of one candidate at one prompt position."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+PromptLogprobs = list[dict[int, PromptLogprob] | None]  # null for the first prompt token
+
+
 class ChatCompletionChoice(OpenAIModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = _ABSENT_IF_NONE
 
 
 class ChatCompletionResponse(OpenAIModel):
@@ -277,6 +304,8 @@ class ChatCompletionResponse(OpenAIModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
+    prompt_logprobs: PromptLogprobs | None = _ABSENT_IF_NONE
+    prompt_token_ids: list[int] | None = _ABSENT_IF_NONE
 
 
 class DeltaMessage(OpenAIModel):
@@ -292,6 +321,7 @@ class ChatCompletionStreamChoice(OpenAIModel):
     logprobs: ChatChoiceLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    token_ids: list[int] | None = _ABSENT_IF_NONE
 
 
 class ChatCompletionChunk(OpenAIModel):
@@ -301,6 +331,7 @@ class ChatCompletionChunk(OpenAIModel):
     model: str
     choices: list[ChatCompletionStreamChoice]
     usage: UsageInfo | None = None
+    prompt_token_ids: list[int] | None = _ABSENT_IF_NONE  # return_token_ids: on the first chunk
 
 
 class CompletionLogprobs(OpenAIModel):
@@ -316,6 +347,9 @@ class CompletionChoice(OpenAIModel):
     logprobs: CompletionLogprobs | None = None
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    prompt_logprobs: PromptLogprobs | None = _ABSENT_IF_NONE
+    prompt_token_ids: list[int] | None = _ABSENT_IF_NONE  # streamed: on the choice's first chunk
+    token_ids: list[int] | None = _ABSENT_IF_NONE
 
 
 class CompletionResponse(OpenAIModel):

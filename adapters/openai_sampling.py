@@ -21,7 +21,43 @@ def _common_fields(body: _SamplingFields) -> dict[str, Any]:
     fields = {k: getattr(body, k) for k in names if getattr(body, k) is not None}
     if body.logit_bias:
         fields["logit_bias"] = _token_keys(body.logit_bias)
+    if body.bad_words:
+        fields["bad_words"] = body.bad_words
+    if body.prompt_logprobs is not None:
+        if body.stream and body.prompt_logprobs > 0:  # vLLM's rule and wording
+            raise AdapterError("`prompt_logprobs` are not available when `stream=True`.", param="prompt_logprobs")
+        fields["prompt_logprobs"] = body.prompt_logprobs
     return fields
+
+
+# fields beam search does not apply (it ranks the raw logprobs of whole sequences), with their neutral values
+_NOT_WITH_BEAMS: dict[str, tuple[Any, ...]] = {
+    "stop": ([],), "min_tokens": (0,), "presence_penalty": (0,), "frequency_penalty": (0,),
+    "repetition_penalty": (1,), "logit_bias": ({},), "allowed_token_ids": (), "bad_words": ([],),
+    "prompt_logprobs": (),
+}
+
+
+def _beam_search(body: _SamplingFields, fields: dict[str, Any], names: dict[str, str], logprobs: bool) -> None:
+    """``use_beam_search``: ``n`` is the beam width (vLLM's), ``length_penalty`` its length normalization;
+    fields beam search would ignore are a 400 naming them. Without beam search ``length_penalty`` does nothing."""
+    if not body.use_beam_search:
+        return
+    for name, neutral in _NOT_WITH_BEAMS.items():
+        value = getattr(body, name)
+        if value is not None and value not in neutral:
+            raise AdapterError(f"'{name}' does not apply to beam search (use_beam_search); leave it out.",
+                               param=name)
+    if logprobs:
+        raise AdapterError("'logprobs' does not apply to beam search (use_beam_search); leave it out.",
+                           param="logprobs")
+    if fields.get("structured_outputs") is not None:
+        name = names.get("structured_outputs", "structured_outputs")
+        raise AdapterError(f"'{name}' does not apply to beam search (use_beam_search); leave it out.", param=name)
+    fields["use_beam_search"] = True
+    fields["beam_width"], names["beam_width"] = fields.get("n", 1), "n"
+    if body.length_penalty is not None:
+        fields["length_penalty"] = body.length_penalty
 
 
 _GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
@@ -88,6 +124,7 @@ def chat_sampling_params(body: ChatCompletionRequest, tool_constraint: dict[str,
             raise AdapterError(f"tool_choice {body.tool_choice!r:.60} constrains the output already; leave out "
                                f"{names['structured_outputs']}.", param=names["structured_outputs"])
         fields["structured_outputs"], names["structured_outputs"] = tool_constraint, "tools"
+    _beam_search(body, fields, names, body.logprobs)
     return build_sampling_params(fields, field_names=names), names
 
 
@@ -95,8 +132,9 @@ def completion_sampling_params(body: CompletionRequest) -> tuple[SamplingParams,
     fields = _common_fields(body)
     fields["max_tokens"] = body.max_tokens
     fields["logprobs"] = body.logprobs
-    if body.echo and body.logprobs is not None:
-        fields["prompt_logprobs"] = body.logprobs
-    names = {"prompt_logprobs": "logprobs"}
+    names: dict[str, str] = {}
+    if body.echo and body.logprobs is not None and body.prompt_logprobs is None:
+        fields["prompt_logprobs"], names["prompt_logprobs"] = body.logprobs, "logprobs"
     fields["structured_outputs"], names["structured_outputs"] = structured_outputs(body)
+    _beam_search(body, fields, names, body.logprobs is not None)
     return build_sampling_params(fields, field_names=names), names

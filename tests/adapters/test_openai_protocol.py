@@ -60,11 +60,8 @@ REFUSED_CHAT = [
     ("reasoning_effort", "low"),
     ("modalities", ["text", "audio"]),
     ("store", True),
-    ("use_beam_search", True),
     ("guided_decoding_backend", "outlines"),
     ("guided_whitespace_pattern", " "),
-    ("prompt_logprobs", 1),
-    ("bad_words", ["x"]),
 ]
 
 
