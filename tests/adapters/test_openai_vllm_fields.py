@@ -230,3 +230,28 @@ def test_chat_refuses_beam_search_with_logprobs_and_triton_parameters_carry_the_
     assert (params.use_beam_search, params.beam_width, params.length_penalty) == (True, 2, 0.5)
     with pytest.raises(AdapterError, match="beam search"):
         parse_sampling_parameters('{"bad_words": ["Paris"], "use_beam_search": true}')
+
+
+def test_a_beam_search_left_early_is_aborted_with_its_blocks_freed(app):
+    import time
+
+    adapter = app.state.engine_adapter
+
+    async def go() -> None:
+        params = SamplingParams(use_beam_search=True, n=3, beam_width=3, max_tokens=40, ignore_eos=True)
+        task = asyncio.ensure_future(adapter.complete(PROMPT, params, request_id="beam-left"))
+        await asyncio.sleep(1.0)
+        assert adapter.has_requests(["beam-left"])
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+    asyncio.run(go())
+    deadline = time.monotonic() + 10
+    while True:
+        s = adapter.stats()
+        if (s["num_running"], s["num_waiting"]) == (0, 0) and s["num_free_blocks"] == adapter.model_info()[
+                "num_gpu_blocks"]:
+            break
+        assert time.monotonic() < deadline, s
+        time.sleep(0.05)
+    assert not adapter.has_requests(["beam-left"])
