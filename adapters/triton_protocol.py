@@ -172,7 +172,50 @@ def parse_request_parameters(text: str | bytes | None) -> tuple[SamplingParams, 
     if salt is not None and (not isinstance(salt, str) or not salt or len(salt) > MAX_CACHE_SALT_CHARS):
         raise AdapterError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters.",
                            param="cache_salt")
-    return build_sampling_params(values, coerce_strings=True), salt
+    source = _structured_outputs(values)
+    return build_sampling_params(values, field_names={"structured_outputs": source}, coerce_strings=True), salt
+
+
+_GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
+# vllm_backend drops a request-level ``guided_decoding.backend`` that names the default one and refuses others
+_GUIDED_BACKENDS = ("xgrammar", "xgrammar:no-fallback", "auto", "xgrammar:_auto")
+
+
+def _structured_outputs(values: dict[str, Any]) -> str:
+    """Rewrite vllm_backend's structured-output forms in place into ``structured_outputs`` (a mapping).
+
+    vllm_backend's clients send ``structured_outputs`` as JSON text inside ``sampling_parameters``
+    (``json.dumps({"json": schema})``) or as an object; its older ``guided_decoding`` (object or
+    text, with an optional ``backend``) and the OpenAI server's ``guided_*`` fields mean the same.
+    More than one of them is refused naming the second. Returns the field the constraint came from."""
+    found: list[str] = []
+    spec: Any = None
+    for name in ("structured_outputs", "guided_decoding"):
+        if name not in values:
+            continue
+        value = values.pop(name)
+        if isinstance(value, str | bytes):
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as exc:
+                raise AdapterError(f"Invalid value for '{name}': not a JSON object ({exc.msg}).", param=name) from None
+        if name == "guided_decoding" and isinstance(value, dict) and "backend" in value:
+            value = dict(value)
+            backend = value.pop("backend")
+            if backend not in _GUIDED_BACKENDS:
+                raise AdapterError(f"guided_decoding.backend is no longer supported request-level (got "
+                                   f"{str(backend)[:40]!r}).", param="guided_decoding.backend")
+        found.append(name)
+        spec = value
+    for name, key in _GUIDED.items():
+        if name in values:
+            found.append(name)
+            spec = {key: values.pop(name)}
+    if len(found) > 1:
+        raise AdapterError(f"Send one structured-output constraint, not {', '.join(found)}.", param=found[1])
+    if found:
+        values["structured_outputs"] = spec
+    return found[0] if found else "structured_outputs"
 
 
 @dataclass

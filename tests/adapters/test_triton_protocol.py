@@ -43,6 +43,25 @@ def test_sampling_parameters_json_like_vllm_backend():
         assert ei.value.param == param and ei.value.status == 400
 
 
+
+def test_structured_outputs_in_every_form_vllm_backend_clients_send():
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for values in ({"structured_outputs": {"json": schema}},
+                   {"structured_outputs": json.dumps({"json": schema})},  # JSON text inside the JSON, as they send it
+                   {"guided_decoding": {"json": schema, "backend": "xgrammar"}},
+                   {"guided_decoding": json.dumps({"json": schema})},
+                   {"guided_json": schema}):
+        assert parse_sampling_parameters(json.dumps(values)).structured_outputs.json_schema == schema, values
+    assert parse_sampling_parameters('{"guided_choice": ["yes", "no"]}').structured_outputs.choice == ["yes", "no"]
+    for bad, param in [({"structured_outputs": "{oops"}, "structured_outputs"),
+                       ({"structured_outputs": {"yaml": "a: 1"}}, "structured_outputs.yaml"),
+                       ({"guided_decoding": {"regex": "a+", "backend": "outlines"}}, "guided_decoding.backend"),
+                       ({"guided_decoding": {"yaml": "a: 1"}}, "guided_decoding.yaml"),
+                       ({"structured_outputs": {"regex": "a+"}, "guided_choice": ["a"]}, "guided_choice")]:
+        with pytest.raises(AdapterError) as ei:
+            parse_sampling_parameters(json.dumps(bad))
+        assert ei.value.param == param and ei.value.status == 400
+
 def test_cache_salt_and_bad_bytes_in_the_inputs():
     inputs = GenerateInputs.from_values(b"hi", sampling_parameters=b'{"max_tokens": 2, "cache_salt": "t1"}')
     assert inputs.cache_salt == "t1" and inputs.params.max_tokens == 2
