@@ -60,6 +60,13 @@ def add_throughput_parser(sub) -> None:
     p.add_argument("--temperatures", default=None,
                    help="comma list, one timed run each (the vLLM comparison runs use 0,1,0); default: --temperature once")
     p.add_argument("--warmup-prompts", type=int, default=8)
+    p.add_argument("--tokenizer-from", default=None, metavar="DIR",
+                   help="with --model-shapes: an HF tokenizer dir copied in, padded to the shapes' vocabulary "
+                        "(structured outputs need one)")
+    p.add_argument("--structured-outputs", default=None, metavar="JSON",
+                   help='every timed request constrained, e.g. \'{"json": {"type": "object", ...}}\' '
+                        "(SamplingParams.structured_outputs); a grammar that completes leaves the rest of the "
+                        "request unconstrained (EOS is ignored): pick one longer than --output-len")
     p.add_argument("--hf", action="store_true", help="also run the prompts through transformers (--hf-mode)")
     p.add_argument("--hf-mode", choices=("static", "continuous", "both"), default="static",
                    help="static: padded-batch generate; continuous: transformers' paged continuous batching "
@@ -75,14 +82,16 @@ def add_throughput_parser(sub) -> None:
     p.set_defaults(func=run_throughput)
 
 
-def _params(n_out: int, temp: float):
+def _params(n_out: int, temp: float, structured: dict[str, Any] | None = None):
     """Exactly ``n_out`` tokens, EOS ignored, no detokenization."""
     from paged_backend.sampling_params import SamplingParams
 
-    return SamplingParams(temperature=temp, max_tokens=n_out, min_tokens=n_out, ignore_eos=True, detokenize=False)
+    return SamplingParams(temperature=temp, max_tokens=n_out, min_tokens=n_out, ignore_eos=True, detokenize=False,
+                          structured_outputs=structured)
 
 
-def _timed_runs(llm, prompts: list[list[int]], outs_len: list[int], temps: list[float]) -> list[dict[str, Any]]:
+def _timed_runs(llm, prompts: list[list[int]], outs_len: list[int], temps: list[float],
+                structured: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One timed ``generate`` over all prompts per temperature (the prefix cache reset before
     each), a row each; says so when kernels compiled inside a timed run."""
     from paged_backend.kernels._launch import compiled_variants
@@ -94,7 +103,7 @@ def _timed_runs(llm, prompts: list[list[int]], outs_len: list[int], temps: list[
         engine.reset_prefix_cache()
         engine.stats.peak_kv_usage = engine.stats.peak_kv_waste = 0.0
         t = time.perf_counter()
-        outs = llm.generate(prompts, [_params(n, temp) for n in outs_len], use_tqdm=False)
+        outs = llm.generate(prompts, [_params(n, temp, structured) for n in outs_len], use_tqdm=False)
         dt = time.perf_counter() - t
         n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
         now = sum(compiled_variants().values())
@@ -113,7 +122,7 @@ def run_throughput(args: argparse.Namespace) -> int:
 
     overrides: dict[str, Any] = {}
     if args.model_shapes:
-        overrides.update(model=write_shape_config(args.model_shapes), load_format="dummy")
+        overrides.update(model=write_shape_config(args.model_shapes, args.tokenizer_from), load_format="dummy")
     cfg = engine_config_from_args(args, **overrides)
     llm = LLM(**cfg.model_dump())
     engine = llm.engine
@@ -122,9 +131,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     outs_len = output_lens(args.num_prompts, args.output_len, args.random_range_ratio)
     temps = [float(x) for x in args.temperatures.split(",")] if args.temperatures else [args.temperature]
     warm = random_prompts(args.warmup_prompts, args.input_len, vocab, seed=2)
+    structured = json.loads(args.structured_outputs) if args.structured_outputs else None
     for temp in sorted(set(temps)):
-        llm.generate(warm, _params(8, temp), use_tqdm=False)
-    rows = _timed_runs(llm, prompts, outs_len, temps)
+        llm.generate(warm, _params(8, temp, structured), use_tqdm=False)
+    rows = _timed_runs(llm, prompts, outs_len, temps, structured)
     counts = getattr(engine.runner, "step_counts", None)
     if counts is not None:
         print(f"forward passes: {counts['graph']} CUDA-graph replays, {counts['eager']} eager; "

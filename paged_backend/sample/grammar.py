@@ -12,7 +12,10 @@ and the per-step token masks that keep its samples inside it.
 The engine calls ``apply_grammars`` when it launches a step's sampling: by then the step before it has
 landed, so each matcher has seen every token of its sample (also under async scheduling). A finished
 sample's row (async scheduling gives it one more row, whose token is dropped) and a terminated grammar
-are left unmasked. Logprobs then describe the masked distribution, as vLLM's do.
+are left unmasked. Logprobs then describe the masked distribution, as vLLM's do. A step fills its masks
+with xgrammar's BatchGrammarMatcher on ``FILL_THREADS`` threads (the host's per-row work is what a
+constrained step adds at small models), into pinned buffers whose copies to the device do not wait for the
+stream (``PINNED_STAGING``).
 """
 
 from __future__ import annotations
@@ -59,9 +62,6 @@ class GrammarCompiler:
             raise ValueError(f"invalid {kind} for structured outputs: {why[:300]}") from None
 
 
-BATCH_FILL_MIN_ROWS = 2  # constrained rows from which a step fills its masks on xgrammar's thread pool
-
-
 class RequestGrammar:
     """One sample's position in its grammar. ``live`` holds every matcher still referenced (by any
     engine of the process): while it is empty a step skips the scan for constrained rows."""
@@ -91,17 +91,49 @@ class RequestGrammar:
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
 
-    @staticmethod
-    def fill_many(grammars: Sequence[RequestGrammar], bitmask: torch.Tensor, rows: list[int]) -> None:
-        """``fill`` of several matchers at once, on xgrammar's thread pool (outside the GIL)."""
-        _batch_matcher().batch_fill_next_token_bitmask([g._matcher for g in grammars], bitmask, indices=rows)
+
+class _MaskStaging:
+    """Pinned host buffers for a step's masks and row indices, reused: their copies to the device are truly
+    asynchronous (a pageable source makes the host wait for the stream). A buffer is refilled only after
+    the copy that read it has run (its event)."""
+
+    def __init__(self) -> None:
+        self.mask: torch.Tensor | None = None
+        self.rows: torch.Tensor | None = None
+        self.event: torch.cuda.Event | None = None
+
+    def buffers(self, num_rows: int, words: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.event is not None:
+            self.event.synchronize()
+        if self.mask is None or self.mask.shape[0] < num_rows or self.mask.shape[1] != words:
+            n = 1 << max(0, num_rows - 1).bit_length()
+            self.mask = torch.empty((n, words), dtype=torch.int32, pin_memory=True)
+            self.rows = torch.empty((n,), dtype=torch.int32, pin_memory=True)
+        assert self.rows is not None
+        return self.mask, self.rows
+
+
+_staging: dict[torch.device, _MaskStaging] = {}
+
+
+FILL_THREADS = 4  # 0: one matcher after another; n: xgrammar's BatchGrammarMatcher on n threads
+PINNED_STAGING = True  # CUDA: masks staged in pinned buffers (packed rows); False: pageable, one row per logits row
 
 
 @functools.cache
-def _batch_matcher() -> Any:
+def _batch_matcher(threads: int) -> Any:
     import xgrammar as xgr
 
-    return xgr.BatchGrammarMatcher()
+    return xgr.BatchGrammarMatcher(max_threads=threads)
+
+
+def _fill(live: list[tuple[int, RequestGrammar]], mask: torch.Tensor, mask_rows: list[int]) -> None:
+    if FILL_THREADS and len(live) > 1:
+        _batch_matcher(FILL_THREADS).batch_fill_next_token_bitmask([g._matcher for _, g in live], mask,
+                                                                   indices=mask_rows)
+    else:
+        for (_, grammar), r in zip(live, mask_rows, strict=True):
+            grammar.fill(mask, r)
 
 
 def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, RequestGrammar, Sequence[int]]]) -> None:
@@ -116,11 +148,23 @@ def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, RequestGramma
             live.append((row, grammar))
     if not live:
         return
-    bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-    if len(live) >= BATCH_FILL_MIN_ROWS:
-        RequestGrammar.fill_many([g for _, g in live], bitmask, [row for row, _ in live])
-    else:
-        for row, grammar in live:
-            grammar.fill(bitmask, row)
-    xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                    indices=[row for row, _ in live])
+    rows_of = [row for row, _ in live]
+    if logits.device.type != "cuda" or not PINNED_STAGING:
+        bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
+        _fill(live, bitmask, rows_of)
+        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows_of)
+        return
+    staging = _staging.setdefault(logits.device, _MaskStaging())
+    n = len(live)
+    mask, rows_buf = staging.buffers(n, (logits.shape[1] + 31) // 32)
+    _fill(live, mask, list(range(n)))  # the live rows packed: mask row i belongs to logits row rows_of[i]
+    rows_buf.numpy()[:n] = rows_of
+    dev_mask = mask[:n].to(logits.device, non_blocking=True)
+    dev_rows = rows_buf[:n].to(logits.device, non_blocking=True)
+    staging.event = torch.cuda.Event()
+    staging.event.record()
+    with torch.inference_mode():  # the step's logits are inference tensors
+        index = dev_rows.long()
+        packed = logits[index]  # the live rows, masked, then put back
+        xgr.apply_token_bitmask_inplace(packed, dev_mask)
+        logits.index_copy_(0, index, packed)

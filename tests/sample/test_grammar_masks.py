@@ -1,0 +1,45 @@
+"""``apply_grammars``: each constrained row keeps exactly the tokens its grammar allows next, other rows are
+untouched; the CUDA path (pinned staging, packed rows) masks as the CPU path does."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from smollm2 import tokenizer
+
+from paged_backend.sample.grammar import GrammarCompiler, RequestGrammar, apply_grammars
+from paged_backend.sampling_params import StructuredOutputsParams
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}, "n": {"type": "integer"}},
+          "required": ["name", "n"]}
+
+
+def _allowed(grammar: RequestGrammar, vocab: int) -> torch.Tensor:
+    import xgrammar as xgr
+
+    mask = xgr.allocate_token_bitmask(1, vocab)
+    grammar.fill(mask, 0)
+    bits = (mask[0].to(torch.int64).unsqueeze(1) >> torch.arange(32)) & 1
+    return bits.flatten()[:vocab].bool()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_masks_keep_exactly_the_allowed_tokens(device: str) -> None:
+    tok = tokenizer()
+    vocab = len(tok)
+    compiler = GrammarCompiler(tok, vocab, [tok.eos_token_id])
+    compiled = compiler.compile(StructuredOutputsParams(json=SCHEMA))
+    grammars = [RequestGrammar(compiled) for _ in range(3)]
+    outputs: list[list[int]] = [[], tok.encode('{"name": "ab'), tok.encode('{"name": "x", "n": 1')]
+    logits = torch.randn(5, vocab, generator=torch.Generator().manual_seed(0)).to(device)
+    before = logits.clone()
+    rows = [(0, grammars[0], outputs[0]), (2, grammars[1], outputs[1]), (4, grammars[2], outputs[2])]
+    apply_grammars(logits, rows)
+    for i, (row, grammar, _) in enumerate(rows):
+        allowed = _allowed(grammar, vocab).to(device)
+        assert 0 < int(allowed.sum()) < vocab, f"row {row}: the grammar should constrain"
+        assert torch.equal(logits[row][allowed], before[row][allowed])
+        assert bool(torch.isneginf(logits[row][~allowed]).all())
+        assert grammar.accepted == len(outputs[i])
+    for row in (1, 3):
+        assert torch.equal(logits[row], before[row])
