@@ -26,12 +26,28 @@ print(json.dumps({
 def test_kernels_and_adapters_live_under_paged_backend(tmp_path):
     out = subprocess.run([sys.executable, "-c", PROBE], cwd=tmp_path, capture_output=True, text=True, check=True)
     info = json.loads(out.stdout)
-    assert Path(info["kernels"]).resolve() == ROOT / "kernels" / "__init__.py"
+    assert Path(info["kernels"]).resolve() == ROOT / "paged_backend" / "kernels" / "__init__.py"
     assert Path(info["adapters"]).resolve() == ROOT / "adapters" / "__init__.py"
     # a top-level "kernels"/"adapters", if any, is somebody else's package, never ours
     for name in ("top_kernels", "top_adapters"):
-        assert info[name] is None or not Path(info[name]).resolve().is_relative_to(ROOT)
+        assert not _ours(info[name])
     assert info["torch_loaded_by_scheduler"] is False
+
+
+def test_no_kernels_folder_shadows_hugging_faces_from_the_repository_root():
+    """transformers imports Hugging Face's ``kernels`` package where it is installed: run from the repository
+    root (the root on sys.path), ``import kernels`` must not find a folder of ours."""
+    out = subprocess.run([sys.executable, "-c", PROBE], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert not _ours(json.loads(out.stdout)["top_kernels"])
+
+
+def _ours(origin: str | None) -> bool:
+    """Whether a module file is of this repository's sources (an installed package, even in a venv inside
+    the checkout, is not)."""
+    if origin is None:
+        return False
+    path = Path(origin).resolve()
+    return path.is_relative_to(ROOT) and "site-packages" not in path.parts
 
 
 def test_console_script_help():
