@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from paged_backend.engine.async_engine import gather_all
 from paged_backend.outputs import CompletionOutput, LogprobsDict, RequestOutput
 
 from .adapter_errors import AdapterError, to_adapter_error
@@ -34,7 +35,6 @@ from .openai_streaming import (
     chain,
     collect,
     first_delta,
-    gather_all,
     merge_streams,
     sse,
     sse_error,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pydantic
@@ -66,19 +66,6 @@ async def collect(stream: AsyncIterator[RequestOutput], first: RequestOutput | N
     async for delta in chain(first, stream):
         acc = merge_delta(acc, delta)
     return acc
-
-
-async def gather_all(coros: Sequence[Any]) -> list[Any]:
-    """``asyncio.gather`` that cancels and awaits the others when one fails or it is cancelled,
-    so no request keeps running (or holds its stream) behind an error."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
-    try:
-        return await asyncio.gather(*tasks)
-    except BaseException:
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        raise
 
 
 async def merge_streams(streams: list[AsyncIterator[RequestOutput]]) -> AsyncIterator[tuple[int, RequestOutput]]:

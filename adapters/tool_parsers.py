@@ -233,6 +233,14 @@ class _Segments:
         else:
             self.parts.append(text if final else text.rstrip())
 
+    def end(self, text: str, final: bool, start: str) -> ParsedOutput:
+        """The result, with ``text`` (after the last call) as the tail; while not final, an end of it that
+        may still grow into ``start`` is held back."""
+        if not final:
+            text = text[:len(text) - _held_prefix(text, start)]
+        self.tail(text, final)
+        return self.result()
+
     def result(self) -> ParsedOutput:
         return ParsedOutput("".join(self.parts), self.calls)
 
@@ -251,11 +259,7 @@ class TaggedJsonParser(ToolParser):
         while True:
             k = text.find(self.start, search)
             if k < 0:
-                tail = text[pos:]
-                if not final:
-                    tail = tail[:len(tail) - _held_prefix(tail, self.start)]
-                out.tail(tail, final)
-                return out.result()
+                return out.end(text[pos:], final, self.start)
             j = _skip_ws(text, k + len(self.start))
             call, obj_end, not_a_call = (json_object_call(text, j, self.arg_keys) if j < n and text[j] == "{"
                                          else (None, None, j < n))
@@ -403,11 +407,7 @@ class Glm45ToolParser(ToolParser):
         while True:
             k = text.find(self.start, pos)
             if k < 0:
-                tail = text[pos:]
-                if not final:
-                    tail = tail[:len(tail) - _held_prefix(tail, self.start)]
-                out.tail(tail, final)
-                return out.result()
+                return out.end(text[pos:], final, self.start)
             call, stop = self._call(text, k + len(self.start), final)
             if call is None:
                 out.before_call(text[pos:k])

@@ -19,7 +19,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from paged_backend.config import EngineConfig
@@ -85,8 +85,9 @@ class _Stream:
                 self.waiter = None
 
 
-async def _gather(coros: list[Any]) -> list[Any]:
-    """``asyncio.gather`` that cancels and awaits the others when one fails or it is cancelled."""
+async def gather_all(coros: Sequence[Any]) -> list[Any]:
+    """``asyncio.gather`` that cancels and awaits the others when one fails or it is cancelled,
+    so no request keeps running (or holds its stream) behind an error."""
     tasks = [asyncio.ensure_future(c) for c in coros]
     try:
         return await asyncio.gather(*tasks)
@@ -250,7 +251,7 @@ class AsyncEngine:
                 ids = [f"{request_id}#beam-{r}-{b}" for b in range(len(state.beams))]
                 with self._lock:
                     self._beams[request_id] = ids
-                outs = await _gather([self._final(rid, p, one, cache_salt) for rid, p in
+                outs = await gather_all([self._final(rid, p, one, cache_salt) for rid, p in
                                       zip(ids, state.round_requests(), strict=True)])
                 if any(o is None or not o.outputs or o.outputs[0].finish_reason == "abort"
                        or not o.outputs[0].logprobs for o in outs):
