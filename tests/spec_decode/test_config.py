@@ -1,0 +1,29 @@
+"""SpeculativeConfig: vLLM's keys, validated."""
+
+from __future__ import annotations
+
+import pytest
+from pydantic import ValidationError
+
+from paged_backend.spec_decode.config import SpeculativeConfig
+
+
+def test_vllm_keys_and_lookup_defaults():
+    c = SpeculativeConfig(method="ngram", num_speculative_tokens=4, prompt_lookup_min=2, prompt_lookup_max=5)
+    assert (c.num_speculative_tokens, c.prompt_lookup_min, c.prompt_lookup_max) == (4, 2, 5)
+    assert SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_max=4).prompt_lookup_min == 4
+    assert SpeculativeConfig(num_speculative_tokens=3, prompt_lookup_min=2).prompt_lookup_max == 2
+    c = SpeculativeConfig(num_speculative_tokens=3)
+    assert (c.method, c.prompt_lookup_min, c.prompt_lookup_max) == ("ngram", 5, 5)
+
+
+@pytest.mark.parametrize("bad", [
+    {"num_speculative_tokens": 0},
+    {},
+    {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
+    {"num_speculative_tokens": 2, "method": "draft_model", "model": "x"},
+    {"num_speculative_tokens": 2, "unknown_key": 1},
+])
+def test_refused(bad):
+    with pytest.raises(ValidationError):
+        SpeculativeConfig(**bad)
