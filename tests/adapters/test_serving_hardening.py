@@ -345,7 +345,7 @@ def test_top_logprobs_must_not_be_negative(http):
 
 
 def test_unimplemented_fields_are_400s_naming_them_and_logit_bias_steers_the_output(http):
-    for field, value in [("tools", [{"type": "function"}]), ("reasoning_effort", "high")]:
+    for field, value in [("functions", [{"name": "f"}]), ("reasoning_effort", "high")]:
         err = _openai_error(http.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, field: value}),
                             400)
         assert err["param"] == field and "not supported" in err["message"]
