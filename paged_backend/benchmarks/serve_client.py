@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import logging
 import math
@@ -266,8 +267,9 @@ class ServeTarget:
         return "openai-chat" if self.chat else "openai"
 
     def payload_maker(self, temperature: float, ignore_eos: bool) -> Callable[[SampleRequest], dict[str, Any]]:
-        return lambda req: build_payload(req, model=self.model, chat=self.chat, temperature=temperature,
-                                         ignore_eos=ignore_eos)
+        """``build_payload`` with this target's fields (a partial: it pickles into client processes)."""
+        return functools.partial(build_payload, model=self.model, chat=self.chat, temperature=temperature,
+                                 ignore_eos=ignore_eos)
 
 
 def _served_models(base_url: str, headers: dict[str, str]) -> list[dict[str, Any]]:

@@ -12,12 +12,20 @@ default) padded-batch ``generate``, ``continuous`` its paged continuous batching
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
 from typing import Any
 
+from paged_backend.benchmarks.bench_plot import plot_args_error
 from paged_backend.benchmarks.model_shapes import MODEL_SHAPES, write_shape_config
 from paged_backend.benchmarks.throughput_hf import HFTarget, release_device_memory, run_hf
+from paged_backend.benchmarks.throughput_plot import (
+    KVUsageTrace,
+    add_throughput_plot_args,
+    write_throughput_plot,
+)
 from paged_backend.benchmarks.throughput_table import print_table, result_row
 
 
@@ -79,6 +87,7 @@ def add_throughput_parser(sub) -> None:
     p.add_argument("--hf-max-batch-tokens", type=int, default=None,
                    help="continuous: tokens per forward pass (default: transformers')")
     p.add_argument("--json", default=None, help="append results as JSON lines to this file")
+    add_throughput_plot_args(p)
     p.set_defaults(func=run_throughput)
 
 
@@ -91,9 +100,11 @@ def _params(n_out: int, temp: float, structured: dict[str, Any] | None = None):
 
 
 def _timed_runs(llm, prompts: list[list[int]], outs_len: list[int], temps: list[float],
-                structured: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+                structured: dict[str, Any] | None = None,
+                kv_traces: list[tuple[str, list[tuple[float, float]]]] | None = None) -> list[dict[str, Any]]:
     """One timed ``generate`` over all prompts per temperature (the prefix cache reset before
-    each), a row each; says so when kernels compiled inside a timed run."""
+    each), a row each; says so when kernels compiled inside a timed run. With ``kv_traces`` each
+    run's KV-cache usage per step is added to it."""
     from paged_backend.kernels._launch import compiled_variants
 
     engine = llm.engine
@@ -102,9 +113,13 @@ def _timed_runs(llm, prompts: list[list[int]], outs_len: list[int], temps: list[
     for temp in temps:
         engine.reset_prefix_cache()
         engine.stats.peak_kv_usage = engine.stats.peak_kv_waste = 0.0
-        t = time.perf_counter()
-        outs = llm.generate(prompts, [_params(n, temp, structured) for n in outs_len], use_tqdm=False)
-        dt = time.perf_counter() - t
+        params = [_params(n, temp, structured) for n in outs_len]
+        with KVUsageTrace(engine) if kv_traces is not None else contextlib.nullcontext() as trace:
+            t = time.perf_counter()
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            dt = time.perf_counter() - t
+        if trace is not None:
+            kv_traces.append((f"run {len(rows) + 1} (T={temp})", trace.samples))
         n_gen = sum(len(o.outputs[0].token_ids) for o in outs)
         now = sum(compiled_variants().values())
         if now > variants:  # compiles inside the timed window: the run is not steady-state
@@ -120,6 +135,10 @@ def run_throughput(args: argparse.Namespace) -> int:
     from paged_backend.engine.llm import LLM
     from paged_backend.engine_args import engine_config_from_args
 
+    error = plot_args_error(args)
+    if error is not None:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
     overrides: dict[str, Any] = {}
     if args.model_shapes:
         overrides.update(model=write_shape_config(args.model_shapes, args.tokenizer_from), load_format="dummy")
@@ -134,7 +153,8 @@ def run_throughput(args: argparse.Namespace) -> int:
     structured = json.loads(args.structured_outputs) if args.structured_outputs else None
     for temp in sorted(set(temps)):
         llm.generate(warm, _params(8, temp, structured), use_tqdm=False)
-    rows = _timed_runs(llm, prompts, outs_len, temps, structured)
+    kv_traces: list[tuple[str, list[tuple[float, float]]]] | None = [] if args.plot else None
+    rows = _timed_runs(llm, prompts, outs_len, temps, structured, kv_traces)
     counts = getattr(engine.runner, "step_counts", None)
     if counts is not None:
         print(f"forward passes: {counts['graph']} CUDA-graph replays, {counts['eager']} eager; "
@@ -153,4 +173,6 @@ def run_throughput(args: argparse.Namespace) -> int:
         with open(args.json, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
+    if args.plot and not write_throughput_plot(args, rows, kv_traces or []):
+        return 1
     return 0
