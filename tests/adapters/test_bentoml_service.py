@@ -272,6 +272,15 @@ def test_metrics_have_vllm_names(server, client):
     assert "bentoml_" in text  # BentoML's own metrics are still there
 
 
+def test_grafana_dashboard_queries_only_exported_metrics(server, client):
+    """Every series docs/grafana/paged-backend.json queries is on this server's /metrics (after a
+    finished request, so the per-reason success counter has a series)."""
+    import grafana_dashboard
+
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)
+    assert grafana_dashboard.missing_from(httpx.get(f"{server.url}/metrics").text) == {}
+
+
 def test_metrics_are_one_registry_with_vllms_request_metrics(server, client):
     """Each family once (BentoML's multiprocess collector does not publish the engine's a second
     time), no ``*_created``, vLLM's request histograms and counters current when a request ends."""

@@ -350,6 +350,17 @@ def test_custom_metrics_use_vllm_names(server):
     assert _wait_metric(server, "vllm:prefix_cache_hits_total", "", lambda v: v >= 32) >= 32
 
 
+def test_grafana_dashboard_queries_only_exported_metrics(server):
+    """Every series docs/grafana/paged-backend.json queries is on Triton's /metrics (after a finished
+    request, so the per-reason success counter has a series)."""
+    import grafana_dashboard
+
+    resp = httpx.post(f"http://{server.http_url}/v2/models/{MODEL}/generate",
+                      json={"text_input": PROMPT, "parameters": {"max_tokens": 2}}, timeout=120)
+    assert resp.status_code == 200, resp.text
+    assert grafana_dashboard.missing_from(httpx.get(server.metrics_url, timeout=30).text) == {}
+
+
 def test_cache_salt_in_sampling_parameters_keeps_tenants_apart(server, offline):
     prompt = "Tenants share one server but never one cache entry. Each block is salted by its tenant. " * 3
 
