@@ -117,6 +117,15 @@ def test_two_client_processes_merge_every_request(server_url, tmp_path):
     assert 1 <= m["max_concurrent_requests"] <= 4
 
 
+def test_soak_takes_its_one_request_rate(server_url, tmp_path):
+    path = tmp_path / "soak.jsonl"
+    rc = main(["bench", "serve", "--base-url", server_url, "--duration", "2", "--interval", "1",
+               "--max-concurrency", "2", "--request-rate", "20", "--num-prompts", "4", *LENGTHS, "--json", str(path)])
+    rows = _rows(path)
+    assert rc == 0 and [r["kind"] for r in rows][-1] == "soak" and rows[-1]["request_rate"] == 20.0
+    assert rows[-1]["completed"] > 0 and rows[-1]["failed"] == 0
+
+
 # -- without a server --------------------------------------------------------------------
 
 
