@@ -1,6 +1,7 @@
 """The adapter API: the one framework-neutral surface every serving adapter goes through.
 
-``EngineAdapter`` owns an ``AsyncEngine`` (start / ready / drain / shutdown), streams
+``EngineAdapter`` owns an ``AsyncEngine``, or with ``engine_core_process`` an
+``EngineCoreClient`` of an engine core process (start / ready / drain / shutdown), streams
 deltas with metrics recorded on the way, and is the single place where user-facing
 request fields become ``SamplingParams`` and where any refusal becomes an
 ``AdapterError`` (message, offending field, kind -> HTTP status / Triton code; defined in
@@ -170,12 +171,16 @@ class EngineAdapter:
             raise self._load_error
 
     def _load(self) -> None:
-        from paged_backend.engine.async_engine import AsyncEngine
+        if self.config.engine_core_process:  # the engine steps in a process of its own
+            from paged_backend.engine.core_client import EngineCoreClient as engine_class
+        else:
+            from paged_backend.engine.async_engine import AsyncEngine as engine_class
 
         try:
-            engine = AsyncEngine(self.config)
+            engine = engine_class(self.config)
             try:
-                check_kv_capacity(engine.engine.kv_capacity_tokens, engine.engine.max_model_len)
+                info = engine.model_info()
+                check_kv_capacity(info["kv_capacity_tokens"], info["max_model_len"])
             except ValueError:
                 engine.shutdown()
                 raise
@@ -271,7 +276,7 @@ class EngineAdapter:
     def check_text_size(self, num_bytes: int, param: str = "prompt") -> None:
         """AdapterError (400) when a text of this many UTF-8 bytes cannot fit the context."""
         try:
-            self._require_engine().engine.check_text_size(num_bytes, param)
+            self._require_engine().check_text_size(num_bytes, param)
         except InvalidRequestError as exc:
             raise to_adapter_error(exc) from None
 

@@ -51,6 +51,9 @@ class EngineConfig(BaseModel):
     seed: int = 0
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines; 0 = off")
     disable_log_stats: bool = False
+    engine_core_process: bool = Field(False, description="step the engine in a process of its own, fed over a pipe, "
+                                      "so the serving process's event loop and the engine loop do not share a GIL "
+                                      "(default: a thread of the serving process)")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

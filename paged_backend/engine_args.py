@@ -53,6 +53,9 @@ _ENGINE_BOOLS: dict[str, tuple[str, bool, str]] = {
     "--async-scheduling": ("async_scheduling", True, "schedule step t+1 while step t runs (default: on for one "
                            "CUDA device, off on the CPU)"),
     "--no-async-scheduling": ("async_scheduling", False, "turn async scheduling off"),
+    "--engine-core-process": ("engine_core_process", True, "step the engine in a process of its own (serving: "
+                              "the HTTP front end and the engine loop then do not share a GIL; default: a "
+                              "thread of the serving process)"),
 }
 
 

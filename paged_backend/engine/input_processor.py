@@ -14,7 +14,7 @@ from paged_backend.core.request import Request
 from paged_backend.engine.detokenizer import IncrementalDetokenizer
 from paged_backend.engine.request_state import NEVER, PreparedRequest, RequestGroup, SampleState
 from paged_backend.errors import InvalidRequestError
-from paged_backend.sample.grammar import GrammarCompiler, RequestGrammar
+from paged_backend.sample.grammar import GrammarCompiler, RequestGrammar, SerializedGrammar
 from paged_backend.sample.sampler import RowSpec, fast_greedy_from
 from paged_backend.sampling_params import SamplingParams
 
@@ -45,6 +45,16 @@ class InputProcessor:
         spec = params.structured_outputs
         if spec is None:
             return None
+        try:
+            return self._compiler().compile(spec)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="structured_outputs") from None
+
+    def load_grammar(self, serialized: SerializedGrammar) -> Any:
+        """A grammar compiled by another process's ``InputProcessor`` over the same tokenizer."""
+        return self._compiler().load(serialized)
+
+    def _compiler(self) -> GrammarCompiler:
         if self.tokenizer is None:
             raise InvalidRequestError("structured outputs need the model's tokenizer; this model has none.",
                                       param="structured_outputs")
@@ -55,10 +65,7 @@ class InputProcessor:
                 raise InvalidRequestError("structured outputs need the xgrammar package on this server "
                                           "(pip install 'paged-backend[structured]').",
                                           param="structured_outputs") from None
-        try:
-            return self._grammars.compile(spec)
-        except ValueError as exc:
-            raise InvalidRequestError(str(exc), param="structured_outputs") from None
+        return self._grammars
 
     @property
     def kv_capacity_tokens(self) -> int:

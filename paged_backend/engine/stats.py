@@ -13,6 +13,19 @@ _computed = attrgetter("num_computed_tokens")
 STEP_TOKENS_KEPT = 1 << 16  # per-step token counts kept for a metrics reader (the oldest dropped past this)
 
 
+def take_all(items: deque) -> list:
+    """Remove and return what ``items`` holds, oldest first (any thread: deque pops are atomic, and an
+    item appended meanwhile stays for the next call)."""
+    out = []
+    pop = items.popleft
+    try:
+        for _ in range(len(items)):
+            out.append(pop())
+    except IndexError:
+        pass
+    return out
+
+
 @dataclass
 class EngineStats:
     interval: float = 10.0  # seconds between log lines; 0 = never log
@@ -62,15 +75,8 @@ class EngineStats:
             self.log(scheduler, kv, now)
 
     def take_step_tokens(self) -> list[int]:
-        """The tokens of each step since the last call (any thread: deque pops are atomic)."""
-        out = []
-        pop = self.step_tokens.popleft
-        try:
-            for _ in range(len(self.step_tokens)):
-                out.append(pop())
-        except IndexError:
-            pass
-        return out
+        """The tokens of each step since the last call (any thread)."""
+        return take_all(self.step_tokens)
 
     def log(self, scheduler, kv, now: float) -> None:
         dt = max(now - self._last_log, 1e-9)

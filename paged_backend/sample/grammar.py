@@ -25,11 +25,24 @@ import json
 import re
 import weakref
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from paged_backend.sampling_params import StructuredOutputsParams
+
+
+@dataclass(frozen=True)
+class SerializedGrammar:
+    """A compiled grammar as xgrammar's JSON: what crosses a process boundary (compiled grammars do not
+    pickle); ``GrammarCompiler.load`` turns it back."""
+
+    json: str
+
+    @classmethod
+    def of(cls, compiled: Any) -> SerializedGrammar:
+        return cls(compiled.serialize_json())
 
 
 class GrammarCompiler:
@@ -40,7 +53,13 @@ class GrammarCompiler:
         self.vocab_size = vocab_size
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=list(eos_token_ids) or None)
+        self._info = info
         self._compiler = xgr.GrammarCompiler(info)
+
+    def load(self, serialized: SerializedGrammar) -> Any:
+        """A compiled grammar back from its ``SerializedGrammar`` (made by another process's compiler
+        over the same tokenizer)."""
+        return self._xgr.CompiledGrammar.deserialize_json(serialized.json, self._info)
 
     def compile(self, spec: StructuredOutputsParams) -> Any:
         """The compiled grammar of ``spec``; ValueError naming what is wrong with it."""

@@ -1,4 +1,5 @@
-"""AsyncEngine: the engine loop in a thread behind asyncio (the adapter API's core)."""
+"""AsyncEngine: the engine loop in a thread behind asyncio (the adapter API's core); the same
+tests against EngineCoreClient, the engine stepped in a core process."""
 
 from __future__ import annotations
 
@@ -8,19 +9,34 @@ import pytest
 from smollm2 import PROMPTS, assert_no_leak, hf_greedy, model_dir
 
 from paged_backend import AsyncEngine, EngineConfig, InvalidRequestError, SamplingParams
+from paged_backend.engine.core_client import EngineCoreClient
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["sync", "async-scheduling"])
+@pytest.fixture(scope="module", params=[(False, False), (False, True), (True, True)],
+                ids=["sync", "async-scheduling", "core-process"])
 def engine(request):
-    """The CPU engine, with and without async scheduling (the CUDA default: one step in flight)."""
-    eng = AsyncEngine(EngineConfig(model=model_dir(), dtype="float32", device="cpu",
-                                   kv_cache_memory_bytes=64 << 20, log_stats_interval=0,
-                                   async_scheduling=request.param))
+    """The CPU engine, with and without async scheduling (the CUDA default: one step in flight), and
+    in a core process of its own."""
+    in_process, async_scheduling = not request.param[0], request.param[1]
+    config = EngineConfig(model=model_dir(), dtype="float32", device="cpu", kv_cache_memory_bytes=64 << 20,
+                          log_stats_interval=0, async_scheduling=async_scheduling,
+                          engine_core_process=not in_process)
+    eng = AsyncEngine(config) if in_process else EngineCoreClient(config)
     yield eng
     eng.shutdown()
-    assert not eng.is_ready
+    assert not eng.is_ready and not eng.is_dead
+
+
+def assert_engine_no_leak(engine) -> None:
+    """Every block is back in the pool and no request is left (in a core process: asked through the pipe)."""
+    if isinstance(engine, AsyncEngine):
+        assert_no_leak(engine.engine)
+        return
+    state = engine.core_state()
+    assert state["num_unfinished"] == state["num_running"] == state["num_waiting"] == 0
+    assert state["num_free_blocks"] == state["num_total_usable"]
 
 
 async def _collect(engine, rid, prompt, params):
@@ -45,7 +61,7 @@ def test_concurrent_streams_equal_transformers(engine):
     assert engine.is_ready
     stats = engine.stats()
     assert stats["generation_tokens_total"] >= 64 and stats["num_running"] == 0
-    assert_no_leak(engine.engine)
+    assert_engine_no_leak(engine)
 
 
 def test_consumer_that_stops_iterating_aborts_its_request(engine):
@@ -59,7 +75,7 @@ def test_consumer_that_stops_iterating_aborts_its_request(engine):
 
     stats = asyncio.run(main())
     assert stats["num_running"] == 0
-    assert engine.engine.kv.num_free_blocks == engine.engine.kv.block_pool.num_total_usable
+    assert_engine_no_leak(engine)
 
 
 def test_abort_ends_the_stream_with_abort(engine):
@@ -79,7 +95,7 @@ def test_abort_ends_the_stream_with_abort(engine):
 
     seen = asyncio.run(main())
     assert seen[-1].finished and seen[-1].outputs and seen[-1].outputs[-1].finish_reason == "abort"
-    assert_no_leak(engine.engine)
+    assert_engine_no_leak(engine)
 
 
 def test_bad_request_raises_before_streaming(engine):

@@ -1,0 +1,281 @@
+"""The front end of an engine core process (``EngineConfig.engine_core_process``).
+
+``EngineCoreClient`` offers the adapters what ``AsyncEngine`` offers (the request API of
+``EngineFrontEnd``, readiness, death, stats, shutdown) while ``LLMEngine`` steps in a spawned
+process (``core_process.py``), so the serving process's event loop, OpenAI layer and the
+engine loop no longer share one GIL. Requests are tokenized and validated here, as in-process
+(an ``InputProcessor`` over this process's tokenizer); a sender thread batches the commands
+onto the pipe, and a reader thread puts each step's outputs into the request streams.
+
+A core process that dies (killed, crashed, or its loop raised) fails every open request with
+``EngineDeadError`` as soon as the pipe closes, and every later one; ``is_dead`` turns true.
+``shutdown`` (also at interpreter exit) stops the process: asked through the pipe, killed if it
+has not stopped in ``STOP_WAIT_S``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+import queue
+import signal
+import threading
+from multiprocessing.connection import wait
+from typing import Any
+
+import torch
+
+from paged_backend.config import EngineConfig
+from paged_backend.engine.core_process import CoreOutputs, CoreStarted, run_engine_core
+from paged_backend.engine.frontend import EngineFrontEnd
+from paged_backend.engine.input_processor import InputProcessor, load_tokenizer
+from paged_backend.engine.request_state import PreparedRequest
+from paged_backend.engine.stats import STEP_TOKENS_KEPT, take_all
+from paged_backend.errors import EngineDeadError
+from paged_backend.sample.grammar import SerializedGrammar
+from paged_backend.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STOP_WAIT_S = 10.0  # shutdown: how long the core gets to stop by itself before it is killed
+
+
+class KVCapacity:
+    """The size of the core's block pool, as ``InputProcessor`` checks requests against it."""
+
+    def __init__(self, num_usable_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.block_pool = self  # InputProcessor reads ``kv.block_pool.num_total_usable``
+        self.num_total_usable = num_usable_blocks
+
+    def can_fit(self, num_tokens: int) -> bool:
+        return -(-num_tokens // self.block_size) <= self.num_total_usable
+
+
+class EngineCoreClient(EngineFrontEnd):
+    """``AsyncEngine``'s interface over an engine core process."""
+
+    def __init__(self, config: EngineConfig | None = None, **engine_args: Any) -> None:
+        super().__init__()
+        self.config = config or EngineConfig(**engine_args)
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        # not a daemon: a tensor-parallel core spawns its own workers (shutdown / atexit stop it)
+        self._proc = ctx.Process(target=run_engine_core, args=(self.config, child), name="paged-backend-core")
+        self._proc.start()
+        child.close()  # ours closed: the pipe reads EOF once the core is gone
+        self._closing = False
+        self._dead: str | None = None
+        self._acks: dict[int, threading.Event] = {}  # abort / state query id -> set when the core answered
+        self._ack_values: dict[int, Any] = {}
+        self._ack_ids = itertools.count()
+        atexit.register(self.shutdown)
+        try:
+            started = self._wait_started()
+        except BaseException:
+            self.shutdown()
+            raise
+        self._info = started.model_info
+        self._stats = started.stats
+        self._step_tokens: collections.deque[int] = collections.deque(maxlen=STEP_TOKENS_KEPT)
+        info = self._info
+        self.max_model_len = info["max_model_len"]
+        self.eos_token_ids = tuple(info["eos_token_ids"])
+        self.tokenizer = None if self.config.skip_tokenizer_init else load_tokenizer(
+            self.config.tokenizer or info["model_dir"], required=self.config.load_format != "dummy")
+        self._inputs = InputProcessor(self.tokenizer, info["vocab_size"], self.eos_token_ids, self.max_model_len,
+                                      KVCapacity(info["num_gpu_blocks"], info["block_size"]),  # type: ignore[arg-type]
+                                      info["block_size"], torch.device("cpu"))
+        self._outbox: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_loop, name="paged-backend-core-send", daemon=True)
+        self._reader = threading.Thread(target=self._read_loop, name="paged-backend-core-read", daemon=True)
+        self._sender.start()
+        self._reader.start()
+
+    # -- adapter API -------------------------------------------------------------------
+
+    @property
+    def pid(self) -> int | None:
+        """The core process's id."""
+        return self._proc.pid
+
+    @property
+    def is_ready(self) -> bool:
+        return not self._closing and self._dead is None and self._proc.is_alive()
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why the core process stopped serving (not by ``shutdown``), or None."""
+        return self._dead
+
+    def check_text_size(self, num_bytes: int, param: str = "prompt") -> None:
+        """InvalidRequestError when a text of this many UTF-8 bytes cannot fit the context."""
+        self._inputs.check_text_size(num_bytes, param)
+
+    def model_info(self) -> dict:
+        return dict(self._info)
+
+    def stats(self) -> dict:
+        with self._lock:
+            return dict(self._stats)
+
+    def take_step_tokens(self) -> list[int]:
+        """Tokens of each engine step since the last call (vLLM's iteration_tokens_total)."""
+        return take_all(self._step_tokens)
+
+    def core_state(self, timeout: float = 5.0) -> dict:
+        """The core's block pool and queues now (``num_free_blocks``, ``num_total_usable``, ``num_running``,
+        ``num_waiting``, ``num_unfinished``), asked through the pipe after every command sent before."""
+        ack, done = self._new_ack()
+        self._outbox.put(("state", ack))
+        if not done.wait(timeout) or ack not in self._ack_values:
+            raise EngineDeadError(self._dead or "the engine core did not answer")
+        return self._ack_values.pop(ack)
+
+    def shutdown(self, timeout: float = STOP_WAIT_S) -> None:
+        """Stop the core process (asked, then killed); pending requests end with an error."""
+        if self._closing:
+            return
+        self._closing = True
+        atexit.unregister(self.shutdown)
+        outbox = getattr(self, "_outbox", None)
+        if outbox is not None and self._sender.is_alive():
+            outbox.put(("shutdown",))
+            outbox.put(None)
+            self._sender.join(timeout)
+        self._proc.join(timeout if outbox is not None else 1.0)
+        if self._proc.exitcode is None:  # it ignores SIGTERM (see core_process.py)
+            self._proc.kill()
+            self._proc.join(5.0)
+        self._conn.close()
+        self._fail_all(EngineDeadError("the engine was shut down"))
+        self._release_acks()
+        self._input_pool.shutdown(wait=False, cancel_futures=True)
+
+    # -- EngineFrontEnd hooks ------------------------------------------------------------
+
+    def _process_input(self, request_id: str, prompt: str | list[int], params: SamplingParams | None,
+                       cache_salt: str | None) -> PreparedRequest:
+        prep = self._inputs.process(request_id, prompt, params, cache_salt=cache_salt)
+        if prep.grammar is not None:  # compiled grammars do not pickle: the core loads xgrammar's JSON
+            prep = dataclasses.replace(prep, grammar=SerializedGrammar.of(prep.grammar))
+        return prep
+
+    def _submit(self, prep: PreparedRequest) -> None:
+        if self._dead is not None or self._closing:
+            raise EngineDeadError(self._dead or "the engine was shut down")
+        self._outbox.put(("add", prep))
+
+    def _request_abort(self, request_id: str) -> threading.Event:
+        ack, done = self._new_ack()
+        self._outbox.put(("abort", request_id, ack))
+        return done
+
+    def _new_ack(self) -> tuple[int, threading.Event]:
+        ack, done = next(self._ack_ids), threading.Event()
+        with self._lock:
+            self._acks[ack] = done
+            if self._dead is not None or self._closing:
+                done.set()  # nobody will answer: nothing is left to wait for
+        return ack, done
+
+    def _release_acks(self) -> None:
+        with self._lock:
+            acks, self._acks = self._acks, {}
+        for done in acks.values():
+            done.set()
+
+    # -- the pipe ----------------------------------------------------------------------
+
+    def _wait_started(self) -> CoreStarted:
+        """The core's first message; its start-up exception is raised here, as in-process."""
+        ready = wait([self._conn, self._proc.sentinel])
+        if self._conn in ready:
+            try:
+                msg = self._conn.recv()
+            except EOFError:
+                msg = None
+            if isinstance(msg, CoreStarted):
+                return msg
+            if isinstance(msg, BaseException):
+                raise msg
+        self._proc.join(5.0)
+        raise EngineDeadError(f"the engine core process {self._exit_text()} while starting")
+
+    def _exit_text(self) -> str:
+        code = self._proc.exitcode
+        if code is None:
+            return "closed its pipe"
+        if code < 0:
+            try:
+                return f"was killed by signal {signal.Signals(-code).name}"
+            except ValueError:
+                return f"was killed by signal {-code}"
+        return f"exited with code {code}"
+
+    def _send_loop(self) -> None:
+        """Sender thread: every command queued since the last send goes in one message."""
+        outbox, conn = self._outbox, self._conn
+        while True:
+            batch = [outbox.get()]
+            while True:
+                try:
+                    batch.append(outbox.get_nowait())
+                except queue.Empty:
+                    break
+            last = None in batch
+            commands = [c for c in batch if c is not None]
+            try:
+                if commands:
+                    conn.send(commands)
+            except (OSError, ValueError):  # the core is gone: the reader reports it
+                return
+            if last:
+                return
+
+    def _read_loop(self) -> None:
+        """Reader thread: each message is one engine step's outputs for every request."""
+        conn = self._conn
+        reason = None
+        try:
+            while True:
+                try:
+                    msg: CoreOutputs = conn.recv()
+                except (EOFError, OSError):
+                    break
+                self._on_outputs(msg)
+                if msg.dead is not None:
+                    reason = msg.dead
+                    break
+        except BaseException as exc:  # a bug here must not leave the streams hanging
+            logger.exception("engine core reader died")
+            reason = f"the engine core reader died: {exc!r}"
+        if self._closing:
+            return
+        if reason is None:
+            self._proc.join(2.0)
+            reason = f"the engine core process {self._exit_text()}"
+        logger.error("%s: failing every request", reason)
+        self._dead = reason
+        self._fail_all(EngineDeadError(reason))
+        self._release_acks()
+
+    def _on_outputs(self, msg: CoreOutputs) -> None:
+        with self._lock:
+            self._stats = msg.stats  # first: a caller that sees its final output sees its counts
+        self._step_tokens.extend(msg.step_tokens)
+        for rid, exc in msg.errors:
+            self._deliver_error(rid, exc)
+        if msg.outputs:
+            self._deliver(msg.outputs)
+        for ack, value in msg.acks:
+            with self._lock:
+                done = self._acks.pop(ack, None)
+                if value is not None:
+                    self._ack_values[ack] = value
+            if done is not None:
+                done.set()
