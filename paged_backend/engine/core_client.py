@@ -5,7 +5,8 @@
 process (``core_process.py``), so the serving process's event loop, OpenAI layer and the
 engine loop no longer share one GIL. Requests are tokenized and validated here, as in-process
 (an ``InputProcessor`` over this process's tokenizer); a sender thread batches the commands
-onto the pipe, and a reader thread puts each step's outputs into the request streams.
+onto the pipe, and a reader thread puts each step's outputs into the request streams, adding
+back the prompt and its token ids the core leaves out of them.
 
 A core process that dies (killed, crashed, or its loop raised) fails every open request with
 ``EngineDeadError`` as soon as the pipe closes, and every later one; ``is_dead`` turns true.
@@ -73,6 +74,7 @@ class EngineCoreClient(EngineFrontEnd):
         self._acks: dict[int, threading.Event] = {}  # abort / state query id -> set when the core answered
         self._ack_values: dict[int, Any] = {}
         self._ack_ids = itertools.count()
+        self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # requests in the core: what outputs carry
         atexit.register(self.shutdown)
         try:
             started = self._wait_started()
@@ -168,6 +170,7 @@ class EngineCoreClient(EngineFrontEnd):
     def _submit(self, prep: PreparedRequest) -> None:
         if self._dead is not None or self._closing:
             raise EngineDeadError(self._dead or "the engine was shut down")
+        self._prompts[prep.request_id] = (prep.prompt, prep.prompt_token_ids)
         self._outbox.put(("add", prep))
 
     def _request_abort(self, request_id: str) -> threading.Event:
@@ -261,6 +264,7 @@ class EngineCoreClient(EngineFrontEnd):
             reason = f"the engine core process {self._exit_text()}"
         logger.error("%s: failing every request", reason)
         self._dead = reason
+        self._prompts.clear()
         self._fail_all(EngineDeadError(reason))
         self._release_acks()
 
@@ -268,9 +272,15 @@ class EngineCoreClient(EngineFrontEnd):
         with self._lock:
             self._stats = msg.stats  # first: a caller that sees its final output sees its counts
         self._step_tokens.extend(msg.step_tokens)
+        prompts = self._prompts
         for rid, exc in msg.errors:
+            prompts.pop(rid, None)
             self._deliver_error(rid, exc)
         if msg.outputs:
+            for out in msg.outputs:
+                prompt = prompts.pop(out.request_id, None) if out.finished else prompts.get(out.request_id)
+                if prompt is not None:
+                    out.prompt, out.prompt_token_ids = prompt
             self._deliver(msg.outputs)
         for ack, value in msg.acks:
             with self._lock:

@@ -7,7 +7,8 @@ duplex ``multiprocessing`` pipe (pickled messages):
                         ("add", PreparedRequest) | ("abort", request_id, ack) | ("state", ack)
                         | ("shutdown",)
     core -> front end   CoreStarted once (or the start-up exception), then one CoreOutputs per loop
-                        iteration that did anything: every request's deltas of that engine step,
+                        iteration that did anything: every request's deltas of that engine step
+                        (without the prompt and its token ids, which the front end adds back),
                         the stats snapshot, the step token counts, acknowledgements, refusals
 
 An abort frees the request's blocks before its acknowledgement is sent. The core exits on
@@ -123,6 +124,8 @@ class EngineCore:
 
     def _send(self) -> None:
         msg, self.pending = self.pending, CoreOutputs()
+        for out in msg.outputs:  # the front end has them (it prepared the request): not pickled every step
+            out.prompt, out.prompt_token_ids = None, []
         msg.stats = self.engine.get_stats()  # with the outputs: a caller that sees its end sees its counts
         msg.step_tokens = self.engine.stats.take_step_tokens()
         self.conn.send(msg)

@@ -49,12 +49,15 @@ def client():
     c.shutdown()
 
 
-async def _tokens(engine, rid: str, prompt, params: SamplingParams) -> list[list[int]]:
+async def _tokens(engine, rid: str, prompt, params: SamplingParams) -> tuple:
+    """Each sample's tokens, and the prompt and its ids as every delta reports them."""
     outs: dict[int, list[int]] = {}
+    prompts = set()
     async for d in engine.generate(rid, prompt, params):
+        prompts.add((d.prompt, tuple(d.prompt_token_ids)))
         for c in d.outputs:
             outs.setdefault(c.index, []).extend(c.token_ids)
-    return [outs[i] for i in sorted(outs)]
+    return [outs[i] for i in sorted(outs)], prompts
 
 
 def _same_requests(engine) -> list:
@@ -79,7 +82,8 @@ def test_outputs_equal_the_in_process_engine(client):
         in_process.shutdown()
     got = _same_requests(client)
     assert got == expected
-    assert client.tokenizer.decode(got[-1][0], skip_special_tokens=True) in ("yes", "no")  # the grammar crossed
+    assert all(len(prompts) == 1 for _, prompts in got)
+    assert client.tokenizer.decode(got[-1][0][0], skip_special_tokens=True) in ("yes", "no")  # the grammar crossed
 
 
 def test_abort_frees_the_blocks_in_the_core_at_once(client):
