@@ -41,6 +41,7 @@ _N_BUCKETS = (1, 2, 5, 10, 20)
 
 CACHE_CONFIG_INFO = "vllm:cache_config_info"
 ITERATION_TOKENS = "vllm:iteration_tokens_total"
+SPEC_ACCEPTED_PER_POS = "vllm:spec_decode_num_accepted_tokens_per_pos"  # one counter per draft position
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,14 @@ METRICS: tuple[MetricSpec, ...] = (
                stat="generation_tokens_total"),
     MetricSpec("vllm:num_preemptions", "counter", "Cumulative number of preemption from the engine.",
                stat="num_preemptions"),
+    MetricSpec("vllm:spec_decode_num_drafts", "counter", "Number of spec decoding drafts.",
+               stat="spec_decode_num_drafts"),
+    MetricSpec("vllm:spec_decode_num_draft_tokens", "counter", "Number of draft tokens.",
+               stat="spec_decode_num_draft_tokens"),
+    MetricSpec("vllm:spec_decode_num_accepted_tokens", "counter", "Number of accepted tokens.",
+               stat="spec_decode_num_accepted_tokens"),
+    MetricSpec(SPEC_ACCEPTED_PER_POS, "counter", "Accepted tokens per draft position.",
+               stat="spec_decode_num_accepted_tokens_per_pos"),
     MetricSpec("vllm:request_success", "counter", "Count of successfully processed requests."),
     MetricSpec(CACHE_CONFIG_INFO, "gauge", "Information of the LLMEngine CacheConfig"),
     MetricSpec("vllm:time_to_first_token_seconds", "histogram", "Histogram of time to first token in seconds.",
@@ -99,6 +108,8 @@ METRICS: tuple[MetricSpec, ...] = (
                buckets=_ITERATION_BUCKETS),
 )
 SPECS: dict[str, MetricSpec] = {m.name: m for m in METRICS}
+# published only while engine.stats() reports them (speculative decoding on), as vLLM registers them
+SPEC_DECODE_METRICS = frozenset(m.name for m in METRICS if m.name.startswith("vllm:spec_decode_"))
 
 
 def cache_config_labels(model_info: Mapping[str, Any], config: Any) -> dict[str, str]:
@@ -286,6 +297,13 @@ class _Collector:
                     success = sorted(owner.success.items())
                 for reason, count in success:
                     family.add_metric([*values, reason], float(count))
+                yield family
+            elif m.name in SPEC_DECODE_METRICS and m.stat not in stats:
+                continue
+            elif m.name == SPEC_ACCEPTED_PER_POS:
+                family = CounterMetricFamily(m.name, m.doc, labels=[*labels, "position"])
+                for pos, count in enumerate(stats[m.stat]):
+                    family.add_metric([*values, str(pos)], float(count))
                 yield family
             elif m.kind == "histogram":
                 buckets, total = owner.histograms[m.name].cumulative()

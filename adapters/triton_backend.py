@@ -30,7 +30,14 @@ from typing import Any
 import triton_python_backend_utils as pb_utils
 
 from .api import AdapterError, EngineAdapter, merge_delta, to_adapter_error
-from .metrics import CACHE_CONFIG_INFO, ITERATION_TOKENS, METRICS, cache_config_labels
+from .metrics import (
+    CACHE_CONFIG_INFO,
+    ITERATION_TOKENS,
+    METRICS,
+    SPEC_ACCEPTED_PER_POS,
+    SPEC_DECODE_METRICS,
+    cache_config_labels,
+)
 from .triton_protocol import (
     INPUTS,
     MODEL_JSON,
@@ -295,8 +302,10 @@ class TritonMetrics:
             family = pb_utils.MetricFamily(name=name, description=spec.doc,
                                            kind=getattr(pb_utils.MetricFamily, self._KINDS[spec.kind]))
             self.families[spec.name] = family
-            if spec.name in ("vllm:request_success", CACHE_CONFIG_INFO):
-                continue  # made on first use (one metric per finished_reason) / once the engine is loaded
+            if spec.name in ("vllm:request_success", CACHE_CONFIG_INFO) or spec.name in SPEC_DECODE_METRICS:
+                # made on first use (one metric per finished_reason; spec_decode ones while speculative
+                # decoding counts, one per draft position) / once the engine is loaded
+                continue
             if spec.kind == "histogram":
                 self.metrics[spec.name] = family.Metric(labels=labels, buckets=[float(b) for b in spec.buckets])
             else:
@@ -336,17 +345,30 @@ class TritonMetrics:
             for spec in METRICS:
                 if spec.stat is None or spec.stat not in stats:
                     continue
+                if spec.name == SPEC_ACCEPTED_PER_POS:
+                    for pos, count in enumerate(stats[spec.stat]):
+                        self._advance(f"{spec.name}/{pos}", float(count), lambda p=pos, f=self.families[
+                            spec.name]: f.Metric(labels={**self.labels, "position": str(p)}))
+                    continue
                 value = float(stats[spec.stat] or 0)
                 if spec.kind == "gauge":
                     self.metrics[spec.name].set(value)
                 else:
-                    step = value - self.last.get(spec.name, 0.0)
-                    if step > 0:
-                        self.metrics[spec.name].increment(step)
-                        self.last[spec.name] = value
+                    self._advance(spec.name, value, lambda f=self.families[spec.name]: f.Metric(labels=self.labels))
             hist = self.metrics[ITERATION_TOKENS]
             for n in step_tokens:
                 hist.observe(float(n))
+
+    def _advance(self, key: str, value: float, make: Any) -> None:
+        """The counter ``key`` advanced to ``value`` (one missing is made by ``make()``: per-position
+        counters appear with their position)."""
+        step = value - self.last.get(key, 0.0)
+        if step > 0:
+            metric = self.metrics.get(key)
+            if metric is None:
+                metric = self.metrics[key] = make()
+            metric.increment(step)
+            self.last[key] = value
 
     def close(self) -> None:
         """Metrics must go before their families (the stub refuses the other order)."""

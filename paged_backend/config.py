@@ -10,6 +10,8 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from paged_backend.spec_decode.config import SpeculativeConfig
+
 if TYPE_CHECKING:
     import torch
 
@@ -48,6 +50,9 @@ class EngineConfig(BaseModel):
                                           "(default: on for one CUDA device, off on the CPU)")
     max_cudagraph_capture_size: int = Field(1024, ge=1, description="largest decode batch captured as a CUDA graph "
                                             "(capped at max_num_seqs)")
+    speculative_config: SpeculativeConfig | None = Field(
+        None, description="speculative decoding, vLLM's keys: {\"method\": \"ngram\", \"num_speculative_tokens\": 4, "
+        "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}")
     seed: int = 0
     log_stats_interval: float = Field(10.0, ge=0.0, description="seconds between stats log lines; 0 = off")
     disable_log_stats: bool = False

@@ -4,9 +4,21 @@ one to one onto an :class:`EngineConfig` field; shared by the CLI's subcommands 
 from __future__ import annotations
 
 import argparse
+import json
 from typing import Any
 
 from paged_backend.config import EngineConfig
+
+
+def json_object(text: str) -> dict[str, Any]:
+    """A JSON object flag value (argparse reports the ValueError as an invalid value)."""
+    value = json.loads(text)
+    if not isinstance(value, dict):
+        raise ValueError(f"expected a JSON object, got {text!r}")
+    return value
+
+
+json_object.__name__ = "JSON object"  # argparse names the type in its error
 
 # flag -> (type, help); the destination is the EngineConfig field of the same name
 _ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
@@ -34,6 +46,9 @@ _ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
     "--seed": (int, "engine seed (default: 0)"),
     "--served-model-name": (str, "name reported by the API (default: the model argument)"),
     "--log-stats-interval": (float, "seconds between stats lines, 0 is off (default: 10)"),
+    "--speculative-config": (json_object, "speculative decoding as JSON, vLLM's keys: '{\"method\": \"ngram\", "
+                                          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, "
+                                          "\"prompt_lookup_max\": 5}' (default: off)"),
 }
 # flag -> (destination, value, help)
 _ENGINE_BOOLS: dict[str, tuple[str, bool, str]] = {

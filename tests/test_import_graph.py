@@ -128,7 +128,8 @@ ALLOWED = {
     "quantization": {"kernels", "models", "distributed"},
     "sample": {"core", "sampling_params", "outputs", "kernels"},
     "worker": {"kernels", "attention", "models", "quantization", "core", "distributed", "config", "errors"},
-    "engine": {"core", "worker", "sample", "models", "config", "errors", "outputs", "sampling_params"},
+    "spec_decode": set(),
+    "engine": {"core", "worker", "sample", "models", "config", "errors", "outputs", "sampling_params", "spec_decode"},
 }
 
 

@@ -6,6 +6,7 @@ No torch here. The scheduler drives it:
     new = mgr.allocate_slots(req, num_new, blocks)     # None -> nothing changed; preempt or wait
     copies = mgr.take_pending_copies()                 # model runner copies KV src -> dst first
     ...forward writes K/V of the scheduled tokens...
+    mgr.trim(req)                                      # rejected draft tokens given up
     mgr.free(req)                                      # finished, aborted or preempted
 
 A request's block list covers its token positions in order: token ``p`` lives in slot
@@ -205,6 +206,24 @@ class KVCacheManager:
             own = {b.block_id for b in blocks}
             self._pending_copies = [(s, d) for s, d in self._pending_copies if d not in own]
         self.block_pool.free_blocks(reversed(blocks))
+
+    def trim(self, request: Request) -> None:
+        """Free the blocks past ``request.num_computed_tokens`` (tail first), after a step computed
+        positions it then gave up (rejected draft tokens). Those blocks hold no token the request
+        keeps, so none of them was cached; the kept last block stays private."""
+        req_id = request.request_id
+        blocks = self._req_blocks.get(req_id)
+        if blocks is None:
+            return
+        bs = self.block_size
+        num_computed = request.num_computed_tokens
+        keep = _cdiv(num_computed, bs)
+        if keep < len(blocks):
+            dropped = blocks[keep:]
+            del blocks[keep:]
+            self.req_block_ids[req_id] = [b.block_id for b in blocks]
+            self.block_pool.free_blocks(reversed(dropped))
+        self.quiet_end[req_id] = (num_computed // bs + 1) * bs if num_computed % bs else num_computed
 
     def fork(self, parent: Request, child: Request) -> None:
         """Let ``child`` share every block of ``parent`` (ref_cnt += 1 each) and its block hashes.

@@ -75,6 +75,9 @@ class Request:
         # async scheduling: 1 while a sampled token of this request is still on the device (its
         # step is in flight); the scheduler counts it, the runner reads it from the device
         self.num_pending = 0
+        # speculative decoding: draft tokens proposed to follow all_token_ids, verified by the next
+        # step that schedules this request (then replaced by the next proposal)
+        self.spec_token_ids: list[int] = []
         # set by the engine: index among the n samples, and the parent id (n > 1)
         self.sample_index = 0
         self.parent_id: str | None = None

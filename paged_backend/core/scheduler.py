@@ -3,7 +3,9 @@
 Each step the scheduler walks the running requests (oldest first), then admits waiting
 ones (FCFS), giving each ``min(num_tokens - num_computed_tokens, budget left)`` new
 tokens: a whole prompt, a chunk of it, the recompute of a preempted request or one
-decode token are the same thing. When the KV-cache manager cannot provide a block, the
+decode token are the same thing. A decoding request with draft tokens (speculative decoding,
+``request.spec_token_ids``) gets 1 + k tokens: its last token and the k drafts, verified by the
+step; ``rollback_drafts`` then forgets the rejected positions. When the KV-cache manager cannot provide a block, the
 most recently arrived running request is preempted by recompute (its blocks are freed,
 it goes back to the front of the waiting queue; nothing it generated is lost).
 """
@@ -31,14 +33,16 @@ class ScheduledRequest:
     reads, and the snapshot pickles as is (tensor parallelism broadcasts the whole
     ``SchedulerOutput``). Under async scheduling the last token may still be on the device
     (``request.num_pending``): it shows as -1 in ``token_ids`` and the runner copies it from
-    the previous step's sampled ids.
+    the previous step's sampled ids. ``num_draft``: the last ``num_draft`` of ``token_ids`` are
+    draft tokens (speculative decoding); the runner returns ``num_draft + 1`` logits rows for the
+    request, the positions of its last known token and of each draft.
     """
 
     __slots__ = ("request_id", "start_pos", "num_new_tokens", "block_ids", "token_ids", "samples",
-                 "num_prompt_logits")
+                 "num_prompt_logits", "num_draft")
 
     def __init__(self, request: Request, start_pos: int, num_new_tokens: int, block_ids: list[int],
-                 samples: bool | None = None) -> None:
+                 samples: bool | None = None, draft_ids: list[int] | None = None) -> None:
         self.request_id: str = request.request_id
         self.start_pos = start_pos  # == num_computed_tokens before this step
         self.num_new_tokens = num_new_tokens
@@ -52,10 +56,15 @@ class ScheduledRequest:
         else:  # tokens sampled by the step in flight: placeholders
             self.token_ids = all_ids[start_pos:] + [-1] * (end - known)
         self.samples: bool = end == known + request.num_pending if samples is None else samples
+        self.num_draft = 0
+        if draft_ids:  # the last known token, then the drafts
+            self.token_ids = all_ids[start_pos:known] + draft_ids
+            self.num_draft = len(draft_ids)
 
     def __repr__(self) -> str:
+        drafts = f", drafts={self.num_draft}" if self.num_draft else ""
         return (f"ScheduledRequest({self.request_id!r}, start_pos={self.start_pos}, "
-                f"num_new_tokens={self.num_new_tokens}, blocks={self.block_ids})")
+                f"num_new_tokens={self.num_new_tokens}{drafts}, blocks={self.block_ids})")
 
 
 @dataclass
@@ -73,6 +82,10 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
+
+    @property
+    def num_draft_tokens(self) -> int:
+        return sum(s.num_draft for s in self.scheduled)
 
 
 class Scheduler:
@@ -161,8 +174,18 @@ class Scheduler:
             if num_new <= 0:
                 i += 1
                 continue
+            drafts = req.spec_token_ids
+            if drafts:
+                drafts = self._fit_drafts(req, num_new, budget)
+                num_new += len(drafts)
             # most decode steps write into the current block without filling it: no KV call
-            if start + num_new >= quiet_end.get(req.request_id, 0) and kv.allocate_slots(req, num_new) is None:
+            allocate = start + num_new >= quiet_end.get(req.request_id, 0)
+            if drafts and allocate:
+                allocate = kv.allocate_slots(req, num_new) is None
+                if allocate:  # no room for the drafts: the step without them
+                    num_new -= len(drafts)
+                    drafts = req.spec_token_ids = []
+            if allocate and kv.allocate_slots(req, num_new) is None:
                 while True:
                     victim = max(running, key=lambda r: (r.arrival_time, r.request_id))
                     if victim.scheduled_step == step:
@@ -179,7 +202,7 @@ class Scheduler:
             req.scheduled_step = step
             # the manager's list itself: it is never changed in place (a new list when the blocks
             # change), so it is a snapshot, and the step-input builder skips rows it already holds
-            scheduled.append(ScheduledRequest(req, start, num_new, block_ids[req.request_id], samples))
+            scheduled.append(ScheduledRequest(req, start, num_new, block_ids[req.request_id], samples, drafts))
             budget -= num_new
             i += 1
 
@@ -210,6 +233,26 @@ class Scheduler:
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
 
+    def _fit_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
+        """The request's drafts that this step can verify: only with its last token alone to compute,
+        within the token budget, max_tokens and max_model_len (a draft past them is never kept)."""
+        drafts = req.spec_token_ids
+        k = 0
+        if num_new == 1:
+            k = min(len(drafts), budget - 1, req.max_tokens - len(req.output_token_ids) - 1,
+                    self.max_model_len - len(req.all_token_ids) - 1)
+        if k < len(drafts):
+            drafts = req.spec_token_ids = drafts[:max(k, 0)]
+        return drafts
+
+    def rollback_drafts(self, req: Request, num_rejected: int) -> None:
+        """A verification step kept all but ``num_rejected`` of the request's scheduled drafts: its
+        computed tokens stop before them and the blocks only they reached are freed."""
+        req.spec_token_ids = []
+        if num_rejected and not req.is_finished:
+            req.num_computed_tokens -= num_rejected
+            self.kv.trim(req)
+
     def _num_new_tokens(self, req: Request, budget: int, num_cached: int | None = None) -> int:
         computed = req.num_computed_tokens if num_cached is None else num_cached
         num_new = req.num_tokens - computed
@@ -228,6 +271,7 @@ class Scheduler:
         self.running.remove(req)
         self.kv.free(req)
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         req.status = RequestStatus.PREEMPTED
         self.waiting.appendleft(req)

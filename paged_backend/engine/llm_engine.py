@@ -28,6 +28,7 @@ from paged_backend.engine.input_processor import InputProcessor, load_tokenizer,
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.parallel_sampling import ParallelSampling
 from paged_backend.engine.request_state import PreparedRequest
+from paged_backend.engine.spec_decoding import SpecDecoder, VerifiedStep
 from paged_backend.engine.stats import EngineStats
 from paged_backend.engine.step_sampling import LaunchedStep, StepSampler
 from paged_backend.errors import InvalidRequestError
@@ -77,6 +78,10 @@ class LLMEngine:
                                      self.kv, config.block_size, self.device)
         self.sampler = Sampler(seed=config.seed)
         self.step_sampler = StepSampler(self.sampler, self.eos_token_ids, self.async_scheduling, self.max_num_seqs)
+        spec = config.speculative_config
+        self.spec = SpecDecoder(spec, self.scheduler, self.step_sampler) if spec is not None else None
+        if self.spec is not None:
+            self.stats.spec = self.spec.stats
         self.parallel = ParallelSampling(self.kv, self.scheduler)
         self.outputs = OutputProcessor(self.scheduler, self.stats, self.eos_token_ids, self.max_model_len)
         self.groups, self.samples = self.outputs.groups, self.outputs.samples  # the live requests
@@ -187,6 +192,14 @@ class LLMEngine:
             samples = self.samples
             rows, index, forking = [samples[rid] for rid in out.sample_request_ids], None, []
         results = self._finish(prev) if prev is not None else []
+        if self.spec is not None:  # synchronous: drafts verified now, the next ones proposed
+            launched = LaunchedStep(sched, out, rows, forking)
+            if sched.num_draft_tokens:
+                results += self._finish(launched, self.spec.verify(sched, rows, out.logits, index))
+            else:
+                results += self._finish(self._launch_sampling(launched, index))
+            self.spec.propose(self.samples)
+            return results
         launched = self._launch_sampling(LaunchedStep(sched, out, rows, forking), index)
         if launched.tokens is not None:
             self._inflight = launched
@@ -197,14 +210,18 @@ class LLMEngine:
     def _launch_sampling(self, launched: LaunchedStep, index: list[int] | None) -> LaunchedStep:
         return self.step_sampler.launch(launched, index)
 
-    def _finish(self, launched: LaunchedStep) -> list[RequestOutput]:
-        """Append a sampled step's tokens: stop checks, detokenization, outputs, frees."""
-        token_ids = self.step_sampler.land(launched)
+    def _finish(self, launched: LaunchedStep, verified: VerifiedStep | None = None) -> list[RequestOutput]:
+        """Append a sampled step's tokens: stop checks, detokenization, outputs, frees.
+        ``verified``: a speculative step's emitted tokens (rows repeat per token)."""
+        if verified is None:
+            rows, token_ids, logprobs = launched.rows, self.step_sampler.land(launched), None
+        else:
+            rows, token_ids, logprobs = verified.rows, verified.token_ids, verified.logprobs
         if launched.out.prompt_logits:
             self.outputs.collect_prompt_logprobs(launched.out.prompt_logits)
         if launched.forking:  # before the parent can finish and free its blocks
             self.parallel.fork(launched.forking)
-        return self.outputs.process(launched.rows, token_ids, time.monotonic(), launched.sched.num_tokens)
+        return self.outputs.process(rows, token_ids, time.monotonic(), launched.sched.num_tokens, logprobs)
 
     # -- introspection -------------------------------------------------------------------
 
@@ -245,10 +262,12 @@ def _resolve_device(name: str) -> torch.device:
 
 def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """vLLM's default on one GPU; no gain where the host runs the model."""
-    if config.async_scheduling is None:
-        return device.type == "cuda" and config.tensor_parallel_size == 1
+    if config.async_scheduling is None:  # speculative steps run synchronously
+        return device.type == "cuda" and config.tensor_parallel_size == 1 and config.speculative_config is None
     if config.async_scheduling and config.tensor_parallel_size > 1:
         raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
+    if config.async_scheduling and config.speculative_config is not None:
+        raise ValueError("async_scheduling is not supported with speculative_config")
     return config.async_scheduling
 
 

@@ -9,6 +9,7 @@ builds nothing until the request finishes).
 from __future__ import annotations
 
 import time
+from itertools import repeat
 
 import torch
 
@@ -16,7 +17,7 @@ from paged_backend.core.request import RequestStatus
 from paged_backend.core.scheduler import Scheduler
 from paged_backend.engine.request_state import RequestGroup, Row, SampleState
 from paged_backend.engine.stats import EngineStats
-from paged_backend.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
+from paged_backend.outputs import CompletionOutput, LogprobsDict, RequestMetrics, RequestOutput, Usage
 from paged_backend.sample.logprobs import prompt_logprobs_and_ranks
 from paged_backend.sampling_params import RequestOutputKind
 
@@ -44,18 +45,29 @@ class OutputProcessor:
                 self.samples.pop(s.request.request_id, None)
         return group
 
-    def process(self, rows: list[Row], token_ids: list[int], now: float, num_tokens: int) -> list[RequestOutput]:
-        """Append one step's tokens; the outputs of the requests that report this step."""
+    def process(self, rows: list[Row], token_ids: list[int], now: float, num_tokens: int,
+                logprobs: list[tuple[float, LogprobsDict | None] | None] | None = None) -> list[RequestOutput]:
+        """Append one step's tokens; the outputs of the requests that report this step.
+
+        A request may have several rows in a row (accepted draft tokens): a token after one that
+        stops it is dropped. ``logprobs``: each row's (logprob, top-N), recorded with its token
+        (speculative steps; other steps record them when sampling)."""
         delta_kind, final_kind = RequestOutputKind.DELTA, RequestOutputKind.FINAL_ONLY
         touched: dict[str, RequestGroup] = {}  # groups that report this step (DELTA, CUMULATIVE)
         ended: dict[str, RequestGroup] = {}  # groups with a sample that finished this step
-        for (group, sample), tok in zip(rows, token_ids, strict=True):
+        if len(rows) != len(token_ids) or (logprobs is not None and len(logprobs) != len(rows)):
+            raise ValueError(f"{len(rows)} rows, {len(token_ids)} tokens")
+        lps = repeat(None) if logprobs is None else logprobs
+        for (group, sample), tok, lp in zip(rows, token_ids, lps, strict=False):  # lengths checked above
             req = sample.request
             if req.is_finished:  # stopped or aborted while this step was in flight: dropped
                 continue
             out_ids = req.output_token_ids
             out_ids.append(tok)
             req.all_token_ids.append(tok)
+            if lp is not None and sample.wants_logprobs:
+                sample.cumulative_logprob += lp[0]
+                sample.new_logprobs.append(lp[1])
             kind = group.kind
             if kind is delta_kind:
                 sample.new_token_ids.append(tok)

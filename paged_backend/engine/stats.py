@@ -7,6 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from operator import attrgetter
+from typing import Any
 
 logger = logging.getLogger("paged_backend")
 _computed = attrgetter("num_computed_tokens")
@@ -41,9 +42,12 @@ class EngineStats:
     peak_kv_waste: float = 0.0  # allocated slots holding no token / allocated slots, at peak usage
     # tokens computed by each step since a reader last took them (vLLM's iteration_tokens_total)
     step_tokens: deque = field(default_factory=lambda: deque(maxlen=STEP_TOKENS_KEPT))
+    # speculative decoding: the verifier's counters (engine/spec_decoding.py SpecDecodeStats), when on
+    spec: Any = None
     _last_log: float = field(default_factory=time.monotonic)
     _last_prompt: int = 0
     _last_gen: int = 0
+    _last_spec: tuple[int, int, int] = (0, 0, 0)
 
     def on_request_added(self, prompt_tokens: int) -> None:
         self.num_requests_total += 1
@@ -88,6 +92,16 @@ class EngineStats:
             (self.generation_tokens_total - self._last_gen) / dt,
             scheduler.num_running, scheduler.num_waiting, 100 * kv.usage, 100 * rate,
         )
+        if self.spec is not None:
+            spec = self.spec
+            drafts, draft_tokens, accepted = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+            d_drafts, d_tokens = drafts - self._last_spec[0], draft_tokens - self._last_spec[1]
+            d_accepted = accepted - self._last_spec[2]
+            logger.info(
+                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+                "Draft acceptance rate: %.1f%%", 1.0 + d_accepted / d_drafts if d_drafts else 0.0, d_accepted,
+                d_tokens, 100.0 * d_accepted / d_tokens if d_tokens else 0.0)
+            self._last_spec = (drafts, draft_tokens, accepted)
         self._last_log, self._last_prompt, self._last_gen = now, self.prompt_tokens_total, self.generation_tokens_total
 
     def snapshot(self, scheduler, kv) -> dict:
@@ -107,4 +121,4 @@ class EngineStats:
             "num_preemptions": self.num_preemptions_total,
             "peak_kv_usage": self.peak_kv_usage,
             "peak_kv_waste": self.peak_kv_waste,
-        }
+        } | (self.spec.snapshot() if self.spec is not None else {})

@@ -53,13 +53,8 @@ class StepSampler:
     def launch(self, launched: LaunchedStep, index: list[int] | None) -> LaunchedStep:
         """Sample the step's rows (``index``: their logits rows when forks repeat some). Async:
         queued on the device; otherwise (async off, or samples still to fork) at once, on the host."""
-        logits, rows = launched.out.logits, launched.rows
-        constrained = [(i, s.grammar, s.request.output_token_ids) for i, (_, s) in enumerate(rows)
-                       if s.grammar is not None and not s.request.is_finished] if RequestGrammar.live else ()
-        if constrained:  # structured outputs: the grammars' masks, in place, on the rows' own logits
-            if index is not None:
-                logits, index = logits[torch.tensor(index, device=logits.device)], None
-            apply_grammars(logits, constrained)
+        rows = launched.rows
+        logits, index = self.constrain(rows, launched.out.logits, index)
         # every row plain greedy by now: argmax only (the per-row checks below are all it costs)
         fast = True
         for _, sample in rows:
@@ -76,7 +71,7 @@ class StepSampler:
         else:
             # the full sampler's results in one buffer: a blocking read in land() would wait
             # for the step queued after this one
-            ds = launched.device_sample = self._device_sample(rows, logits)
+            ds = launched.device_sample = self.full_sample(rows, logits)
             tokens, src = ds.token_ids, self.sampler.pack(ds)
         launched.landing = self._landing_buffer(src)
         launched.landing.copy_(src, non_blocking=True)
@@ -88,6 +83,19 @@ class StepSampler:
         for _, sample in rows:
             sample.request.num_pending = 1
         return launched
+
+    @staticmethod
+    def constrain(rows: list[Row], logits: torch.Tensor, index: list[int] | None
+                  ) -> tuple[torch.Tensor, list[int] | None]:
+        """Structured outputs: the grammars' masks, in place, on the constrained rows' own logits
+        (the logits and index to sample from)."""
+        constrained = [(i, s.grammar, s.request.output_token_ids) for i, (_, s) in enumerate(rows)
+                       if s.grammar is not None and not s.request.is_finished] if RequestGrammar.live else ()
+        if constrained:
+            if index is not None:
+                logits, index = logits[torch.tensor(index, device=logits.device)], None
+            apply_grammars(logits, constrained)
+        return logits, index
 
     def land(self, launched: LaunchedStep) -> list[int]:
         """The step's sampled ids on the host (async: waits for them now)."""
@@ -114,13 +122,15 @@ class StepSampler:
                                                          pin_memory=src.device.type == "cuda")
         return buf[:n]
 
-    def _device_sample(self, rows: list[Row], logits: torch.Tensor) -> DeviceSample:
-        """The full sampler, left on the device."""
+    def full_sample(self, rows: list[Row], logits: torch.Tensor,
+                       histories: list[list[int]] | None = None) -> DeviceSample:
+        """The full sampler, left on the device; ``histories``: each row's output so far, when it is
+        not its request's (a draft token's row sees the drafts before it)."""
         meta = SamplingMetadata(
             params=[s.request.sampling_params for _, s in rows],
             generators=[s.generator for _, s in rows],
             prompt_token_ids=[s.request.prompt_token_ids for _, s in rows],
-            output_token_ids=[s.request.output_token_ids for _, s in rows],
+            output_token_ids=histories if histories is not None else [s.request.output_token_ids for _, s in rows],
             eos_token_ids=self.eos_token_ids,
             specs=[s.spec for _, s in rows],
         )
@@ -128,7 +138,7 @@ class StepSampler:
 
     def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
         """The full sampler, on the host at once; records the logprobs of the rows that asked."""
-        return record_logprobs(rows, self.sampler.to_output(self._device_sample(rows, logits)))
+        return record_logprobs(rows, self.sampler.to_output(self.full_sample(rows, logits)))
 
 
 def record_logprobs(rows: list[Row], sampled: SamplerOutput) -> list[int]:

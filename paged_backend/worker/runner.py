@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 class ModelOutput:
     """Logits rows to sample, in the order of ``sample_request_ids``."""
 
-    sample_request_ids: list[str]
+    sample_request_ids: list[str]  # one per row; a request with k draft tokens has k + 1 rows in a row
     logits: torch.Tensor  # [num_samples, vocab] float32
     # request id -> (logits [n, vocab] float32 for prompt positions start..start+n-1)
     prompt_logits: dict[str, tuple[int, torch.Tensor]]

@@ -40,7 +40,7 @@ class StepInputs:
     num_tokens: int  # real tokens (T before padding)
     num_seqs: int  # real requests
     decode_only: bool  # every request has exactly one new token
-    sample_request_ids: list[str]
+    sample_request_ids: list[str]  # one per sampled row: a request with k drafts has k + 1 in a row
     sample_rows: list[int]  # hidden-state rows whose logits are sampled
     prompt_spans: list[tuple[str, int, int, int]]  # (request id, first row, count, start position)
 
@@ -184,8 +184,13 @@ class StepInputBuilder:
                     prompt_spans.append((s.request_id, t, count, start))
             t += n
             if s.samples:
-                sample_ids.append(s.request_id)
-                sample_rows.append(t - 1)
+                k = s.num_draft
+                if k:  # speculative decoding: the rows of the last known token and of each draft
+                    sample_ids += [s.request_id] * (k + 1)
+                    sample_rows += range(t - 1 - k, t)
+                else:
+                    sample_ids.append(s.request_id)
+                    sample_rows.append(t - 1)
         self.ids_np[:t] = toks
         nb = np.asarray(nbs, dtype=np.int64)
         if dirty_rows:  # block ids into their rows: row r gets columns 0..nb[r]-1

@@ -8,7 +8,7 @@ import contextlib
 import pydantic
 import pytest
 from paged_backend.adapters.api import AdapterError, EngineAdapter, build_sampling_params, to_adapter_error
-from paged_backend.adapters.metrics import METRICS, PrometheusMetrics, RequestTimer
+from paged_backend.adapters.metrics import METRICS, SPEC_DECODE_METRICS, PrometheusMetrics, RequestTimer
 
 from paged_backend.errors import EngineDeadError, InvalidRequestError
 from paged_backend.outputs import CompletionOutput, RequestOutput, Usage, merge_delta
@@ -130,8 +130,9 @@ def test_request_timer_feeds_vllm_histograms_and_stats_gauges():
     assert _sample(text, "vllm:prompt_tokens_total") == 30
     assert _sample(text, "vllm:prefix_cache_hits_total") == 16
     families = [line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")]
-    # one family each, no "*_created" beside them; vllm:cache_config_info only once an engine is loaded
-    assert len(families) == len(set(families)) == len(METRICS) - 1
+    # one family each, no "*_created" beside them; vllm:cache_config_info only once an engine is loaded,
+    # the spec_decode counters only with speculative decoding
+    assert len(families) == len(set(families)) == len(METRICS) - 1 - len(SPEC_DECODE_METRICS)
     assert "_created" not in text
 
 

@@ -27,3 +27,25 @@ def test_vllm_keys_and_lookup_defaults():
 def test_refused(bad):
     with pytest.raises(ValidationError):
         SpeculativeConfig(**bad)
+
+
+def test_engine_config_and_the_cli_flag():
+    import argparse
+
+    from paged_backend.config import EngineConfig
+    from paged_backend.engine_args import add_engine_args, engine_config_from_args
+
+    cfg = EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    assert isinstance(cfg.speculative_config, SpeculativeConfig)
+    assert EngineConfig().speculative_config is None
+    p = argparse.ArgumentParser()
+    add_engine_args(p)
+    args = p.parse_args(["--speculative-config",
+                         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    spec = engine_config_from_args(args).speculative_config
+    assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 4, 4)
+    for bad in ("[1]", "{not json"):
+        with pytest.raises(SystemExit):
+            p.parse_args(["--speculative-config", bad])
+    with pytest.raises(ValidationError):
+        EngineConfig(speculative_config={"method": "ngram", "num_speculative_tokens": 0})

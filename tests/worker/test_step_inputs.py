@@ -30,6 +30,7 @@ class _Sched:
     start_pos: int
     num_new_tokens: int
     block_ids: list[int]
+    num_draft: int = 0
 
     @property
     def request_id(self) -> str:
@@ -80,6 +81,20 @@ def test_mixed_batch_matches_the_index_contract():
     # a and b reach their last token and sample; c is mid-prompt but wants prompt logprobs
     assert step.sample_request_ids == ["a", "b"] and step.sample_rows == [6, 7]
     assert step.prompt_spans == [("c", 8, 6, 0)]
+
+
+def test_draft_tokens_get_a_logits_row_each():
+    # b: last token at position 5 plus drafts 206, 207 (positions 6, 7); a and c decode one token
+    a = _Req("a", [1, 2, 3, 4], num_prompt_tokens=3)
+    b = _Req("b", list(range(200, 208)), num_prompt_tokens=5)
+    c = _Req("c", [9, 9, 9], num_prompt_tokens=2)
+    sched = _Out([_Sched(a, 3, 1, [4]), _Sched(b, 5, 3, [5, 6], num_draft=2), _Sched(c, 2, 1, [7])])
+    step = _builder().build(sched)
+    assert step.input_ids.tolist() == [4, 205, 206, 207, 9]
+    assert step.positions.tolist() == [3, 5, 6, 7, 2]
+    assert step.meta.slot_mapping.tolist() == [4 * 4 + 3, 6 * 4 + 1, 6 * 4 + 2, 6 * 4 + 3, 7 * 4 + 2]
+    assert not step.decode_only and step.meta.query_lens_cpu == [1, 3, 1]
+    assert step.sample_request_ids == ["a", "b", "b", "b", "c"] and step.sample_rows == [0, 1, 2, 3, 4]
 
 
 def test_decode_batch_pads_to_a_graph_size():

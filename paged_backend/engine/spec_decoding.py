@@ -1,0 +1,141 @@
+"""Speculative decoding in the engine: drafts proposed after each step, verified by the next.
+
+``propose`` gives every running request whose tokens are all computed but the last one new
+drafts (``request.spec_token_ids``); the scheduler gives it 1 + k query tokens. ``verify``
+samples each of the k + 1 logits rows with the request's own sampler (row j sees the output
+followed by drafts 0..j-1: penalties, min_tokens and bad words read that history), keeps the
+drafts equal to those samples and the sample after them (``spec_decode/acceptance.py``: this
+is rejection sampling for a proposer with a one-hot draft distribution, so the output is
+distributed as the target's), and rolls the rejected positions back in the scheduler.
+Structured outputs opt out (their grammar accepts one token per step): such requests get no
+drafts. Steps run synchronously while speculative decoding is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from paged_backend.core.scheduler import Scheduler, SchedulerOutput
+from paged_backend.engine.request_state import Row
+from paged_backend.engine.step_sampling import StepSampler
+from paged_backend.outputs import LogprobsDict
+from paged_backend.spec_decode.acceptance import accept_prefix
+from paged_backend.spec_decode.config import SpeculativeConfig
+from paged_backend.spec_decode.ngram import NgramProposer
+
+RowLogprob = tuple[float, LogprobsDict | None] | None  # an emitted token's raw logprob and top-N
+
+
+@dataclass
+class SpecDecodeStats:
+    """vLLM's spec_decode counters: verified draft sequences, draft tokens, accepted tokens (also
+    per draft position)."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        per_pos = self.accepted_per_pos
+        if len(per_pos) < num_draft:
+            per_pos.extend([0] * (num_draft - len(per_pos)))
+        for j in range(num_accepted):
+            per_pos[j] += 1
+
+    def snapshot(self) -> dict[str, int | list[int]]:
+        """The counters under engine.stats()' keys (the adapters' spec_decode metrics)."""
+        return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens emitted per verified draft sequence (accepted drafts + the target's token)."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
+@dataclass
+class VerifiedStep:
+    """A verification step's tokens as the output processor takes them: one row per emitted token."""
+
+    rows: list[Row]
+    token_ids: list[int]
+    logprobs: list[RowLogprob] | None
+
+
+class SpecDecoder:
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, step_sampler: StepSampler) -> None:
+        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+        self.config = config
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max)
+        self.scheduler = scheduler
+        self.step_sampler = step_sampler
+        self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
+
+    def propose(self, samples: dict[str, Row]) -> None:
+        """New drafts for each running request that decodes (all its tokens computed but the last)."""
+        propose = self.proposer.propose
+        for req in self.scheduler.running:
+            if req.num_computed_tokens != len(req.all_token_ids) - 1 or not req.output_token_ids:
+                continue
+            row = samples.get(req.request_id)
+            if row is None or row[1].grammar is not None:
+                continue
+            req.spec_token_ids = propose(req.all_token_ids)
+
+    def verify(self, sched: SchedulerOutput, rows: list[Row], logits: torch.Tensor,
+               index: list[int] | None) -> VerifiedStep:
+        """Sample every row, keep the accepted drafts, roll back the rejected positions."""
+        logits, index = self.step_sampler.constrain(rows, logits, index)  # rows without drafts
+        if index is not None:
+            logits = logits[torch.tensor(index, device=logits.device)]
+        drafts_of = {s.request_id: s.token_ids[-s.num_draft:] for s in sched.scheduled if s.num_draft}
+        spans: list[tuple[int, list[int]]] = []  # (first row, drafts) per request
+        histories: list[list[int]] = []  # the output each row's sampler sees
+        fast = True
+        i = 0
+        while i < len(rows):
+            sample = rows[i][1]
+            req = sample.request
+            drafts = drafts_of.get(req.request_id, [])
+            out = req.output_token_ids
+            histories += [out + drafts[:j] for j in range(len(drafts) + 1)] if drafts else [out]
+            if sample.fast_from and len(out) < sample.fast_from:
+                fast = False
+            spans.append((i, drafts))
+            i += len(drafts) + 1
+        if len(histories) != len(rows):
+            raise RuntimeError(f"{len(rows)} logits rows for {len(histories)} sampled positions")
+
+        step_sampler = self.step_sampler
+        row_lps: list[RowLogprob] | None = None
+        if fast:
+            sampled = step_sampler.sampler.greedy(logits)
+        else:
+            result = step_sampler.sampler.to_output(step_sampler.full_sample(rows, logits, histories))
+            sampled = result.sampled_token_ids
+            if result.sampled_logprobs is not None:
+                row_lps = [(lp, tops) for lp, tops in zip(result.sampled_logprobs, result.logprobs, strict=True)]
+
+        out_rows: list[Row] = []
+        out_ids: list[int] = []
+        out_lps: list[RowLogprob] | None = [] if row_lps is not None else None
+        for first, drafts in spans:
+            k = len(drafts)
+            emitted = accept_prefix(drafts, sampled[first:first + k + 1]) if k else [sampled[first]]
+            out_rows += [rows[first]] * len(emitted)
+            out_ids += emitted
+            if out_lps is not None and row_lps is not None:
+                out_lps += row_lps[first:first + len(emitted)]
+            if k:
+                accepted = len(emitted) - 1
+                self.stats.record(k, accepted)
+                self.scheduler.rollback_drafts(rows[first][1].request, k - accepted)
+        return VerifiedStep(out_rows, out_ids, out_lps)

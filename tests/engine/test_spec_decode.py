@@ -1,0 +1,173 @@
+"""Speculative decoding (n-gram drafts) on the real SmolLM2 (fp32, CPU): greedy output equal to
+transformers' token for token whatever the batching, chunking, prefix caching or preemption did;
+temperature > 0 keeps the target's distribution; seeded requests reproduce; no block leaks."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+from smollm2 import MAX_NEW, PROMPTS, assert_no_leak, hf_greedy, hf_model, make_llm, prompt_ids
+
+from paged_backend import SamplingParams
+
+pytestmark = pytest.mark.slow
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4}
+GREEDY = SamplingParams(max_tokens=MAX_NEW, temperature=0.0)
+COUNTING = "1, 2, 3, 1, 2, 3, 1, 2, 3, 1, 2"  # n-grams recur at once
+
+
+def _tokens(outs):
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def _expected():
+    return [hf_greedy(p) for p in PROMPTS]
+
+
+@functools.lru_cache(maxsize=1)
+def spec_llm():
+    return make_llm(speculative_config=SPEC)
+
+
+def _check_drafts_verified(llm, before: int = 0) -> None:
+    stats = llm.engine.spec.stats
+    assert stats.num_drafts > before and stats.num_accepted_tokens > 0
+
+
+def test_greedy_batched_equals_transformers():
+    llm = spec_llm()
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == _expected()
+    _check_drafts_verified(llm)
+    # fewer steps than tokens: accepted drafts emit several tokens a step
+    assert llm.engine.stats.num_steps < MAX_NEW * len(PROMPTS)
+    assert_no_leak(llm.engine)
+
+
+def test_greedy_chunked_prefill_and_preemption():
+    # 24 tokens a step: long prompts in chunks beside speculative steps; 15 usable blocks: preemption
+    llm = make_llm(speculative_config=SPEC, max_num_batched_tokens=24, num_gpu_blocks_override=16)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == _expected()
+    assert llm.engine.stats.num_preemptions_total > 0
+    _check_drafts_verified(llm)
+    assert_no_leak(llm.engine)
+
+
+def test_greedy_prefix_cache_second_pass():
+    llm = spec_llm()
+    first = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    hits = llm.engine.get_stats()["prefix_cache_hits"]
+    second = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
+    assert second == first == _expected()
+    assert llm.engine.get_stats()["prefix_cache_hits"] > hits
+    assert_no_leak(llm.engine)
+
+
+def test_stops_logprobs_and_n_match_plain_decoding(llm):
+    spec = spec_llm()
+    cases = [
+        SamplingParams(max_tokens=20, temperature=0.0, stop=[" 3,"]),
+        SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[34]),  # the digit 2
+        SamplingParams(max_tokens=7, temperature=0.0, logprobs=2),
+        SamplingParams(max_tokens=9, temperature=0.0, min_tokens=5, n=2),
+        SamplingParams(max_tokens=12, temperature=0.0, repetition_penalty=1.3),
+    ]
+    for params in cases:
+        want = llm.generate([COUNTING, PROMPTS[1]], params, use_tqdm=False)
+        got = spec.generate([COUNTING, PROMPTS[1]], params, use_tqdm=False)
+        for w, g in zip(want, got, strict=True):
+            for wc, gc in zip(w.outputs, g.outputs, strict=True):
+                assert (gc.token_ids, gc.text, gc.finish_reason, gc.stop_reason) == (
+                    wc.token_ids, wc.text, wc.finish_reason, wc.stop_reason), params
+                if params.logprobs:
+                    assert len(gc.logprobs) == len(gc.token_ids)
+                    for a, b in zip(gc.logprobs, wc.logprobs, strict=True):
+                        assert a.keys() == b.keys()
+                        assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+                    assert abs(gc.cumulative_logprob - wc.cumulative_logprob) < 1e-3
+    _check_drafts_verified(spec)
+    assert_no_leak(spec.engine)
+
+
+def test_seeded_sampling_reproducible_alone_and_in_a_batch():
+    llm = spec_llm()
+    params = SamplingParams(max_tokens=16, temperature=0.8, seed=1234)
+    alone = _tokens(llm.generate([COUNTING], params, use_tqdm=False))[0]
+    again = _tokens(llm.generate([COUNTING], params, use_tqdm=False))[0]
+    others = SamplingParams(max_tokens=16, temperature=1.0)
+    batch = llm.generate([PROMPTS[0], COUNTING, PROMPTS[2]], [others, params, others], use_tqdm=False)
+    assert alone == again == batch[1].outputs[0].token_ids
+    assert_no_leak(llm.engine)
+
+
+def test_abort_in_the_middle_of_speculative_steps_leaks_nothing():
+    engine = spec_llm().engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    for i, p in enumerate([COUNTING, COUNTING + ", 3", PROMPTS[3]]):
+        engine.add_request(f"r{i}", p, params)
+    aborted = 0
+    while engine.has_unfinished_requests():
+        engine.step()
+        drafted = [r.request_id for r in engine.scheduler.running if r.spec_token_ids]
+        if drafted:  # the next step would verify these drafts
+            engine.step()  # a speculative step
+            engine.abort_request(drafted[0])
+            aborted += 1
+    assert aborted >= 1
+    assert_no_leak(engine)
+
+
+def _target_top_k(ids: list[int], temperature: float, k: int) -> dict[int, float]:
+    with torch.inference_mode():
+        logits = hf_model()(torch.tensor([ids])).logits[0, -1] / temperature
+    vals, idx = logits.topk(k)
+    return dict(zip(idx.tolist(), vals.softmax(-1).tolist(), strict=True))
+
+
+def test_rejection_sampling_keeps_the_target_distribution():
+    """The first two sampled tokens of many seeded requests, (t1, t2): t2 comes from a verification
+    step (a draft kept or the residual), so its joint distribution with t1 must be the target's."""
+    temperature, top_k, n = 3.0, 4, 240
+    llm = spec_llm()
+    drafts_before = llm.engine.spec.stats.num_drafts
+    prompt = prompt_ids("1, 2, 3, 1, 2, 3,")
+    assert len(prompt) == 17  # every request after the first computes one token of it (prefix cache)
+    params = [SamplingParams(max_tokens=3, temperature=temperature, top_k=top_k, seed=i) for i in range(n)]
+    outs = llm.generate([prompt] * n, params, use_tqdm=False)
+    pairs = [tuple(o.outputs[0].token_ids[:2]) for o in outs]
+    assert llm.engine.spec.stats.num_drafts - drafts_before > n // 4  # many t2 came from verification
+    p1 = _target_top_k(prompt, temperature, top_k)
+    expected = {(a, b): pa * pb for a, pa in p1.items()
+                for b, pb in _target_top_k(prompt + [a], temperature, top_k).items()}
+    # categories expected at least 10 times each, the rest pooled
+    big = {c for c, p in expected.items() if p * n >= 10}
+    observed: dict = {}
+    for pair in pairs:
+        key = pair if pair in big else "rest"
+        observed[key] = observed.get(key, 0) + 1
+    exp_counts = {c: expected[c] * n for c in big}
+    exp_counts["rest"] = n - sum(exp_counts.values())
+    chi2 = sum((observed.get(c, 0) - e) ** 2 / e for c, e in exp_counts.items() if e > 0)
+    dof = len(exp_counts) - 1
+    # p = 0.001 critical values of the chi-square distribution
+    critical = {1: 10.83, 2: 13.82, 3: 16.27, 4: 18.47, 5: 20.52, 6: 22.46, 7: 24.32, 8: 26.12, 9: 27.88,
+                10: 29.59, 11: 31.26, 12: 32.91, 13: 34.53, 14: 36.12, 15: 37.70, 16: 39.25}[dof]
+    assert chi2 < critical, (chi2, dof, observed, exp_counts)
+    assert_no_leak(llm.engine)
+
+
+def test_stats_and_async_scheduling_refused():
+    llm = spec_llm()
+    llm.generate([COUNTING], GREEDY, use_tqdm=False)
+    stats = llm.engine.get_stats()
+    spec = llm.engine.spec.stats
+    assert stats["spec_decode_num_drafts"] == spec.num_drafts > 0
+    assert stats["spec_decode_num_accepted_tokens"] == sum(stats["spec_decode_num_accepted_tokens_per_pos"])
+    assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
+    assert not llm.engine.async_scheduling
+    with pytest.raises(ValueError, match="speculative_config"):
+        make_llm(speculative_config=SPEC, async_scheduling=True)

@@ -1,0 +1,60 @@
+"""The spec_decode counters: vLLM's names in the Prometheus page, per-position labels, the log line."""
+
+from __future__ import annotations
+
+import logging
+
+from paged_backend.adapters.metrics import PrometheusMetrics
+
+from paged_backend.engine.spec_decoding import SpecDecodeStats
+from paged_backend.engine.stats import EngineStats
+
+
+def test_counters_and_mean_acceptance_length():
+    s = SpecDecodeStats(accepted_per_pos=[0, 0, 0])
+    s.record(3, 2)
+    s.record(3, 0)
+    s.record(2, 2)
+    assert (s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos) == (3, 8, 4, [2, 2, 0])
+    assert s.mean_acceptance_length == 1.0 + 4 / 3
+
+
+def test_prometheus_families_only_with_speculative_decoding():
+    stats: dict = {"num_running": 1}
+    metrics = PrometheusMetrics("m", lambda: stats)
+    assert "spec_decode" not in metrics.render()
+    s = SpecDecodeStats(accepted_per_pos=[0, 0])
+    s.record(2, 1)
+    stats.update(s.snapshot())
+    text = metrics.render()
+    assert 'vllm:spec_decode_num_drafts_total{model_name="m"} 1.0' in text
+    assert 'vllm:spec_decode_num_draft_tokens_total{model_name="m"} 2.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_total{model_name="m"} 1.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 1.0' in text
+    assert 'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 0.0' in text
+
+
+class _Sched:
+    num_running = num_waiting = 0
+
+
+class _CacheStats:
+    hit_rate = 0.0
+    queries = hits = 0
+
+
+class _KV:
+    usage = 0.0
+    num_free_blocks = 0
+    stats = _CacheStats()
+
+
+def test_log_line_reports_mean_acceptance_length(caplog):
+    stats = EngineStats(interval=0)
+    stats.spec = SpecDecodeStats(accepted_per_pos=[0, 0])
+    stats.spec.record(2, 2)
+    stats.spec.record(2, 0)
+    with caplog.at_level(logging.INFO, logger="paged_backend"):
+        stats.log(_Sched(), _KV(), 1e9)
+    assert "Mean acceptance length: 2.00, Accepted: 2 tokens, Drafted: 4 tokens" in caplog.text
+    assert stats.snapshot(_Sched(), _KV())["spec_decode_num_accepted_tokens_per_pos"] == [1, 1]
