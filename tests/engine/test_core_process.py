@@ -42,6 +42,30 @@ def _core_children() -> set[int]:
     return out
 
 
+@pytest.mark.parametrize("source", ["cli", "bentoml", "triton"])
+def test_the_flag_reaches_the_config_from_every_front_end(source):
+    if source == "cli":
+        import argparse
+
+        from paged_backend.engine_args import add_engine_args, engine_config_from_args
+
+        parser = argparse.ArgumentParser()
+        add_engine_args(parser)
+        assert not engine_config_from_args(parser.parse_args([])).engine_core_process
+        config = engine_config_from_args(parser.parse_args(["--engine-core-process"]))
+    elif source == "bentoml":
+        from paged_backend.adapters.bentoml_service import ServeArgs
+
+        assert not ServeArgs().engine_config().engine_core_process
+        config = ServeArgs(engine_core_process="true").engine_config()
+    else:
+        from paged_backend.adapters.triton_protocol import engine_config_from_model_json
+
+        config, ignored = engine_config_from_model_json({"model": "SmolLM2-135M-Instruct", "engine_core_process": True})
+        assert not ignored
+    assert config.engine_core_process is True
+
+
 @pytest.fixture(scope="module")
 def client():
     c = EngineCoreClient(EngineConfig(**_args(engine_core_process=True)))
