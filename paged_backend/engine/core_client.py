@@ -77,10 +77,13 @@ class EngineCoreClient(EngineFrontEnd):
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # requests in the core: what outputs carry
         atexit.register(self.shutdown)
         try:
-            started = self._wait_started()
+            self._start_front_end(self._wait_started())
         except BaseException:
             self.shutdown()
             raise
+
+    def _start_front_end(self, started: CoreStarted) -> None:
+        """Once the core is up: this process's tokenizer and input checks, then the pipe's threads."""
         self._info = started.model_info
         self._stats = started.stats
         self._step_tokens: collections.deque[int] = collections.deque(maxlen=STEP_TOKENS_KEPT)
@@ -144,12 +147,13 @@ class EngineCoreClient(EngineFrontEnd):
             return
         self._closing = True
         atexit.unregister(self.shutdown)
-        outbox = getattr(self, "_outbox", None)
-        if outbox is not None and self._sender.is_alive():
-            outbox.put(("shutdown",))
-            outbox.put(None)
-            self._sender.join(timeout)
-        self._proc.join(timeout if outbox is not None else 1.0)
+        sender = getattr(self, "_sender", None)
+        running = sender is not None and sender.is_alive()
+        if running:
+            self._outbox.put(("shutdown",))
+            self._outbox.put(None)
+            sender.join(timeout)
+        self._proc.join(timeout if running else 1.0)
         if self._proc.exitcode is None:  # it ignores SIGTERM (see core_process.py)
             self._proc.kill()
             self._proc.join(5.0)

@@ -181,3 +181,10 @@ def test_killed_core_fails_every_request_and_health():
     finally:
         adapter.shutdown()
     assert not _core_children() - before
+
+
+def test_a_core_that_cannot_start_raises_its_error_here():
+    before = _core_children()
+    with pytest.raises(ValueError, match="not divisible by tensor_parallel_size"):
+        EngineCoreClient(EngineConfig(**_args(tensor_parallel_size=2, engine_core_process=True)))
+    assert not _core_children() - before
