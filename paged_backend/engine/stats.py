@@ -47,7 +47,7 @@ class EngineStats:
     _last_log: float = field(default_factory=time.monotonic)
     _last_prompt: int = 0
     _last_gen: int = 0
-    _last_spec: tuple[int, int, int] = (0, 0, 0)
+    _last_spec: tuple[int, int, int, list[int]] = (0, 0, 0, [])
 
     def on_request_added(self, prompt_tokens: int) -> None:
         self.num_requests_total += 1
@@ -93,16 +93,23 @@ class EngineStats:
             scheduler.num_running, scheduler.num_waiting, 100 * kv.usage, 100 * rate,
         )
         if self.spec is not None:
-            spec = self.spec
-            drafts, draft_tokens, accepted = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
-            d_drafts, d_tokens = drafts - self._last_spec[0], draft_tokens - self._last_spec[1]
-            d_accepted = accepted - self._last_spec[2]
-            logger.info(
-                "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
-                "Draft acceptance rate: %.1f%%", 1.0 + d_accepted / d_drafts if d_drafts else 0.0, d_accepted,
-                d_tokens, 100.0 * d_accepted / d_tokens if d_tokens else 0.0)
-            self._last_spec = (drafts, draft_tokens, accepted)
+            self._log_spec(self.spec)
         self._last_log, self._last_prompt, self._last_gen = now, self.prompt_tokens_total, self.generation_tokens_total
+
+    def _log_spec(self, spec: Any) -> None:
+        """vLLM's SpecDecoding line over the drafts verified since the last one."""
+        drafts, draft_tokens, accepted = spec.num_drafts, spec.num_draft_tokens, spec.num_accepted_tokens
+        per_pos = list(spec.accepted_per_pos)
+        last_drafts, last_tokens, last_accepted, last_per_pos = self._last_spec
+        d_drafts, d_tokens, d_accepted = drafts - last_drafts, draft_tokens - last_tokens, accepted - last_accepted
+        rates = ", ".join(f"{(n - (last_per_pos[i] if i < len(last_per_pos) else 0)) / d_drafts:.3f}"
+                          for i, n in enumerate(per_pos)) if d_drafts else "-"
+        logger.info(
+            "SpecDecoding metrics: Mean acceptance length: %.2f, Accepted: %d tokens, Drafted: %d tokens, "
+            "Per-position acceptance rate: %s, Avg Draft acceptance rate: %.1f%%",
+            1.0 + d_accepted / d_drafts if d_drafts else 0.0, d_accepted, d_tokens, rates,
+            100.0 * d_accepted / d_tokens if d_tokens else 0.0)
+        self._last_spec = (drafts, draft_tokens, accepted, per_pos)
 
     def snapshot(self, scheduler, kv) -> dict:
         hits = kv.stats

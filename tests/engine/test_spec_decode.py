@@ -93,6 +93,23 @@ def test_stops_logprobs_and_n_match_plain_decoding(llm):
     assert_no_leak(spec.engine)
 
 
+def test_structured_outputs_run_without_drafts_beside_speculative_rows(llm):
+    import re
+
+    from paged_backend.sampling_params import StructuredOutputsParams
+
+    spec = spec_llm()
+    before = spec.engine.spec.stats.num_drafts
+    regex = SamplingParams(max_tokens=10, temperature=0.0, structured_outputs=StructuredOutputsParams(
+        regex=r" [12][0-9]{3}\."))
+    plain = SamplingParams(max_tokens=20, temperature=0.0)
+    outs = spec.generate(["The year is", COUNTING], [regex, plain], use_tqdm=False)
+    assert re.fullmatch(r" [12][0-9]{3}\.", outs[0].outputs[0].text)
+    assert outs[1].outputs[0].token_ids == llm.generate([COUNTING], plain, use_tqdm=False)[0].outputs[0].token_ids
+    _check_drafts_verified(spec, before)
+    assert_no_leak(spec.engine)
+
+
 def test_seeded_sampling_reproducible_alone_and_in_a_batch():
     llm = spec_llm()
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=1234)

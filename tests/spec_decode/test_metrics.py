@@ -56,5 +56,12 @@ def test_log_line_reports_mean_acceptance_length(caplog):
     stats.spec.record(2, 0)
     with caplog.at_level(logging.INFO, logger="paged_backend"):
         stats.log(_Sched(), _KV(), 1e9)
-    assert "Mean acceptance length: 2.00, Accepted: 2 tokens, Drafted: 4 tokens" in caplog.text
-    assert stats.snapshot(_Sched(), _KV())["spec_decode_num_accepted_tokens_per_pos"] == [1, 1]
+    assert ("Mean acceptance length: 2.00, Accepted: 2 tokens, Drafted: 4 tokens, "
+            "Per-position acceptance rate: 0.500, 0.500, Avg Draft acceptance rate: 50.0%") in caplog.text
+    stats.spec.record(2, 1)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="paged_backend"):
+        stats.log(_Sched(), _KV(), 2e9)  # only the drafts since the last line
+    assert ("Mean acceptance length: 2.00, Accepted: 1 tokens, Drafted: 2 tokens, "
+            "Per-position acceptance rate: 1.000, 0.000, Avg Draft acceptance rate: 50.0%") in caplog.text
+    assert stats.snapshot(_Sched(), _KV())["spec_decode_num_accepted_tokens_per_pos"] == [2, 1]
