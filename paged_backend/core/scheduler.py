@@ -61,6 +61,15 @@ class ScheduledRequest:
             self.token_ids = all_ids[start_pos:known] + draft_ids
             self.num_draft = len(draft_ids)
 
+    @classmethod
+    def lookahead(cls, request_id: str, pos: int, token: int, block_ids: list[int]) -> ScheduledRequest:
+        """One token at ``pos`` whose logits are sampled, outside the scheduler's plan: a draft
+        model's autoregressive pass over blocks the request already holds."""
+        s = cls.__new__(cls)
+        s.request_id, s.start_pos, s.num_new_tokens, s.block_ids = request_id, pos, 1, block_ids
+        s.token_ids, s.samples, s.num_prompt_logits, s.num_draft = [token], True, 0, 0
+        return s
+
     def __repr__(self) -> str:
         drafts = f", drafts={self.num_draft}" if self.num_draft else ""
         return (f"ScheduledRequest({self.request_id!r}, start_pos={self.start_pos}, "

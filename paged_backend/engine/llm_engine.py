@@ -24,6 +24,7 @@ from paged_backend.config import EngineConfig, resolve_limits
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.request import RequestStatus
 from paged_backend.core.scheduler import Scheduler
+from paged_backend.engine.draft_model import DraftModelProposer
 from paged_backend.engine.input_processor import InputProcessor, load_tokenizer, max_token_bytes, sample_id
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.parallel_sampling import ParallelSampling
@@ -79,7 +80,13 @@ class LLMEngine:
         self.sampler = Sampler(seed=config.seed)
         self.step_sampler = StepSampler(self.sampler, self.eos_token_ids, self.async_scheduling, self.max_num_seqs)
         spec = config.speculative_config
-        self.spec = SpecDecoder(spec, self.scheduler, self.step_sampler) if spec is not None else None
+        self.spec = None
+        if spec is not None:
+            draft = None
+            if spec.method == "draft_model":
+                draft = DraftModelProposer(config, self.runner, self.info, self.kv, self.device, self.dtype,
+                                           self.max_model_len)
+            self.spec = SpecDecoder(spec, self.scheduler, self.step_sampler, draft)
         if self.spec is not None:
             self.stats.spec = self.spec.stats
         self.parallel = ParallelSampling(self.kv, self.scheduler)
@@ -193,6 +200,7 @@ class LLMEngine:
             rows, index, forking = [samples[rid] for rid in out.sample_request_ids], None, []
         results = self._finish(prev) if prev is not None else []
         if self.spec is not None:  # synchronous: drafts verified now, the next ones proposed
+            self.spec.observe(sched)
             launched = LaunchedStep(sched, out, rows, forking)
             if sched.num_draft_tokens:
                 results += self._finish(launched, self.spec.verify(sched, rows, out.logits, index))

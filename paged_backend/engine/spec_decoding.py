@@ -1,7 +1,7 @@
 """Speculative decoding in the engine: drafts proposed after each step, verified by the next.
 
 ``propose`` gives every running request whose tokens are all computed but the last one new
-drafts (``request.spec_token_ids``); the scheduler gives it 1 + k query tokens. ``verify``
+drafts (``request.spec_token_ids``: the n-gram proposer's, or a draft model's, engine/draft_model.py); the scheduler gives it 1 + k query tokens. ``verify``
 samples each of the k + 1 logits rows with the request's own sampler (row j sees the output
 followed by drafts 0..j-1: penalties, min_tokens and bad words read that history), keeps the
 drafts equal to those samples and the sample after them (``spec_decode/acceptance.py``: this
@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from paged_backend.core.scheduler import Scheduler, SchedulerOutput
+from paged_backend.engine.draft_model import DraftModelProposer
 from paged_backend.engine.request_state import Row
 from paged_backend.engine.step_sampling import StepSampler
 from paged_backend.outputs import LogprobsDict
@@ -70,24 +71,40 @@ class VerifiedStep:
 
 
 class SpecDecoder:
-    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, step_sampler: StepSampler) -> None:
-        assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+    def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, step_sampler: StepSampler,
+                 draft: DraftModelProposer | None = None) -> None:
         self.config = config
-        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
-                                      config.prompt_lookup_max)
+        self.ngram: NgramProposer | None = None
+        if draft is None:
+            assert config.prompt_lookup_min is not None and config.prompt_lookup_max is not None
+            self.ngram = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                       config.prompt_lookup_max)
+        self.draft = draft
         self.scheduler = scheduler
         self.step_sampler = step_sampler
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
+    def observe(self, sched: SchedulerOutput) -> None:
+        """Each step the target computes: a draft model computes it too (its own KV)."""
+        if self.draft is not None:
+            self.draft.observe(sched)
+
     def propose(self, samples: dict[str, Row]) -> None:
         """New drafts for each running request that decodes (all its tokens computed but the last)."""
-        propose = self.proposer.propose
+        decoding = []
         for req in self.scheduler.running:
             if req.num_computed_tokens != len(req.all_token_ids) - 1 or not req.output_token_ids:
                 continue
             row = samples.get(req.request_id)
             if row is None or row[1].grammar is not None:
                 continue
+            decoding.append(req)
+        if self.draft is not None:
+            self.draft.propose(decoding, self.scheduler.max_model_len)
+            return
+        assert self.ngram is not None
+        propose = self.ngram.propose
+        for req in decoding:
             req.spec_token_ids = propose(req.all_token_ids)
 
     def verify(self, sched: SchedulerOutput, rows: list[Row], logits: torch.Tensor,

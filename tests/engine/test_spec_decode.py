@@ -188,3 +188,36 @@ def test_stats_and_async_scheduling_refused():
     assert not llm.engine.async_scheduling
     with pytest.raises(ValueError, match="speculative_config"):
         make_llm(speculative_config=SPEC, async_scheduling=True)
+
+
+# -- a draft model: SmolLM2 as its own draft proposes exactly the target's greedy tokens ----------
+
+def _draft_spec() -> dict:
+    from smollm2 import model_dir
+
+    return {"method": "draft_model", "model": model_dir(), "num_speculative_tokens": 3}
+
+
+def _all_accepted(llm) -> None:
+    stats = llm.engine.spec.stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
+
+
+def test_draft_model_itself_greedy_all_accepted_under_chunking_preemption_and_forks():
+    llm = make_llm(speculative_config=_draft_spec(), max_num_batched_tokens=24, num_gpu_blocks_override=11)
+    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert _tokens(outs) == _expected()
+    assert llm.engine.stats.num_preemptions_total > 0
+    # its cache follows the target's blocks (recomputes, prefix hits, copy-on-write of forked samples)
+    _all_accepted(llm)
+    outs = llm.generate(PROMPTS[:3], SamplingParams(max_tokens=MAX_NEW, temperature=0.0, n=2), use_tqdm=False)
+    for o, exp in zip(outs, _expected()[:3], strict=True):
+        assert o.outputs[0].token_ids == o.outputs[1].token_ids == exp
+    _all_accepted(llm)
+    assert llm.engine.get_stats()["prefix_cache_hits"] > 0
+    params = SamplingParams(max_tokens=12, temperature=0.8, seed=5)
+    alone = _tokens(llm.generate([PROMPTS[2]], params, use_tqdm=False))[0]
+    batch = llm.generate([PROMPTS[0], PROMPTS[2]], [SamplingParams(max_tokens=12, temperature=1.0), params],
+                         use_tqdm=False)
+    assert batch[1].outputs[0].token_ids == alone
+    assert_no_leak(llm.engine)

@@ -21,12 +21,21 @@ def test_vllm_keys_and_lookup_defaults():
     {"num_speculative_tokens": 0},
     {},
     {"num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 3},
-    {"num_speculative_tokens": 2, "method": "draft_model", "model": "x"},
+    {"num_speculative_tokens": 2, "method": "eagle", "model": "x"},
+    {"num_speculative_tokens": 2, "method": "draft_model"},
+    {"num_speculative_tokens": 2, "method": "ngram", "model": "x"},
+    {"num_speculative_tokens": 2, "model": "x", "prompt_lookup_max": 3},
     {"num_speculative_tokens": 2, "unknown_key": 1},
 ])
 def test_refused(bad):
     with pytest.raises(ValidationError):
         SpeculativeConfig(**bad)
+
+
+def test_draft_model_keys():
+    c = SpeculativeConfig(model="/d", num_speculative_tokens=3)
+    assert (c.method, c.model, c.prompt_lookup_min) == ("draft_model", "/d", None)
+    assert SpeculativeConfig(method="draft_model", model="/d", num_speculative_tokens=1).method == "draft_model"
 
 
 def test_engine_config_and_the_cli_flag():

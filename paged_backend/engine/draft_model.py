@@ -1,0 +1,70 @@
+"""The draft-model proposer: a smaller checkpoint with the target's vocabulary drafts greedily.
+
+Its KV cache has the target's block ids (same block tables, its own tensors, allocated with the
+target's block count outside the KV budget). It runs every step the target runs (``observe``),
+so its cache holds every computed position, prefix hits and recomputes included; after a step,
+``propose`` allocates the lookahead slots of each decoding request and runs k one-token passes.
+Its proposals are its argmax: a deterministic proposal is a one-hot draft distribution, so the
+engine's acceptance (``spec_decode/acceptance.py``) keeps the target's distribution.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from paged_backend.config import EngineConfig
+from paged_backend.core.kv_cache_manager import KVCacheManager
+from paged_backend.core.request import Request
+from paged_backend.core.scheduler import ScheduledRequest, SchedulerOutput
+from paged_backend.models.default_model import resolve_model_path
+from paged_backend.models.model_info import ModelInfo
+from paged_backend.sample.sampler import Sampler
+from paged_backend.worker.model_runner import ModelRunner
+
+
+class DraftModelProposer:
+    def __init__(self, config: EngineConfig, target: ModelRunner, target_info: ModelInfo, kv: KVCacheManager,
+                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+        spec = config.speculative_config
+        assert spec is not None and spec.model is not None
+        if config.tensor_parallel_size > 1:
+            raise ValueError("speculative_config method 'draft_model' is not supported with tensor_parallel_size > 1")
+        model_dir = resolve_model_path(spec.model)
+        info = ModelInfo.from_dir(model_dir)
+        if info.vocab_size != target_info.vocab_size:
+            raise ValueError(f"the draft model's vocabulary ({info.vocab_size}) differs from the target's "
+                             f"({target_info.vocab_size})")
+        # the target's context: a draft whose positions stop short is refused here (resolve_limits)
+        draft_config = config.model_copy(update={"model": str(model_dir), "quantization": None,
+                                                 "speculative_config": None, "max_model_len": max_model_len})
+        self.runner = ModelRunner(draft_config, model_dir, info, device, dtype)
+        self.runner.allocate_kv_cache(target.num_blocks)
+        self.target = target
+        self.kv = kv
+        self.k = spec.num_speculative_tokens
+
+    def observe(self, sched: SchedulerOutput) -> None:
+        """The target's step through the draft model: its KV for the same slots (logits unused)."""
+        self.runner.execute(sched)
+
+    def propose(self, requests: list[Request], max_model_len: int) -> None:
+        """Drafts for these decoding requests (all tokens computed but the last), k passes batched."""
+        kv = self.kv
+        entries: list[tuple[Request, int]] = []
+        for req in requests:
+            k = min(self.k, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - len(req.all_token_ids) - 1)
+            req.spec_token_ids = []
+            if k > 0 and kv.allocate_slots(req, k) is not None:  # the passes write positions p .. p + k - 1
+                entries.append((req, k))
+        copies = kv.take_pending_copies()  # copy-on-write of a shared last block: both caches, now
+        if copies:
+            self.target.copy_blocks(copies)
+            self.runner.copy_blocks(copies)
+        for j in range(max((k for _, k in entries), default=0)):
+            live = [req for req, k in entries if k > j]
+            sched = SchedulerOutput([ScheduledRequest.lookahead(
+                req.request_id, len(req.all_token_ids) - 1 + j,
+                req.spec_token_ids[-1] if j else req.all_token_ids[-1], kv.req_block_ids[req.request_id])
+                for req in live])
+            for req, tok in zip(live, Sampler.greedy(self.runner.execute(sched).logits), strict=True):
+                req.spec_token_ids.append(tok)
