@@ -65,3 +65,68 @@ def test_log_line_reports_mean_acceptance_length(caplog):
     assert ("Mean acceptance length: 2.00, Accepted: 1 tokens, Drafted: 2 tokens, "
             "Per-position acceptance rate: 1.000, 0.000, Avg Draft acceptance rate: 50.0%") in caplog.text
     assert stats.snapshot(_Sched(), _KV())["spec_decode_num_accepted_tokens_per_pos"] == [2, 1]
+
+
+def test_triton_metrics_publish_spec_counters_once_counted(monkeypatch):
+    """TritonMetrics over a stand-in of Triton's pb_utils metric API: the spec_decode counters appear
+    once the engine counts drafts, one counter per draft position, advanced by the differences."""
+    import sys
+    import types
+
+    class Metric:
+        def __init__(self, labels: dict, buckets=None) -> None:
+            self.labels, self.value = labels, 0.0
+
+        def increment(self, v: float) -> None:
+            self.value += v
+
+        def set(self, v: float) -> None:
+            self.value = v
+
+        def observe(self, v: float) -> None:
+            pass
+
+    class MetricFamily:
+        COUNTER, GAUGE, HISTOGRAM = "counter", "gauge", "histogram"
+
+        def __init__(self, name: str, description: str, kind: str) -> None:
+            self.name, self.metrics = name, []
+
+        def Metric(self, labels: dict, buckets=None) -> Metric:  # noqa: N802 (Triton's name)
+            m = Metric(labels, buckets)
+            self.metrics.append(m)
+            return m
+
+    fake = types.ModuleType("triton_python_backend_utils")
+    fake.MetricFamily = MetricFamily
+    fake.TritonModelException = RuntimeError
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    name = "paged_backend.adapters.triton_backend"
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    try:
+        from paged_backend.adapters.triton_backend import TritonMetrics
+    finally:  # the module bound to the stand-in must not outlive this test
+        sys.modules.pop(name, None)
+        import paged_backend.adapters as adapters
+
+        if hasattr(adapters, "triton_backend"):
+            delattr(adapters, "triton_backend")
+
+    tm = TritonMetrics({"model": "m"})
+    spec_families = [f for name, f in tm.families.items() if name.startswith("vllm:spec_decode")]
+    assert len(spec_families) == 4 and not any(f.metrics for f in spec_families)
+    tm.update_from_stats({"num_running": 1})
+    assert not any(f.metrics for f in spec_families)
+    s = SpecDecodeStats(accepted_per_pos=[0, 0])
+    s.record(2, 1)
+    tm.update_from_stats(s.snapshot())
+    s.record(2, 2)
+    tm.update_from_stats(s.snapshot())
+    values = {(f.name, m.labels.get("position")): m.value for f in spec_families for m in f.metrics}
+    assert values == {
+        ("vllm:spec_decode_num_drafts_total", None): 2.0,
+        ("vllm:spec_decode_num_draft_tokens_total", None): 4.0,
+        ("vllm:spec_decode_num_accepted_tokens_total", None): 3.0,
+        ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "0"): 2.0,
+        ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "1"): 1.0,
+    }
