@@ -22,7 +22,7 @@ Invariants:
 Per decode step the scheduler may skip ``allocate_slots`` (a Python call per running
 request): when ``num_computed + num_new < quiet_end[request_id]`` the new tokens land in
 the request's current block, which is private and does not fill up, so the call would
-allocate, copy and cache nothing. Every allocation, fork and free keeps ``quiet_end`` right.
+allocate, copy and cache nothing. Every allocation, fork, trim and free keeps ``quiet_end`` right.
 """
 
 from __future__ import annotations
