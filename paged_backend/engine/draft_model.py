@@ -1,7 +1,8 @@
 """The draft-model proposer: a smaller checkpoint with the target's vocabulary drafts greedily.
 
-Its KV cache has the target's block ids (same block tables, its own tensors, allocated with the
-target's block count outside the KV budget). It runs every step the target runs (``observe``),
+Its KV cache has the target's block ids (same block tables, its own tensors): it is loaded before
+the target sizes its cache (``load_draft_runner``), so the budget is divided by the target's plus
+the draft's bytes per block id, and it allocates the target's block count. It runs every step the target runs (``observe``),
 so its cache holds every computed position, prefix hits and recomputes included; after a step,
 ``propose`` allocates the lookahead slots of each decoding request and runs k one-token passes.
 Its proposals are its argmax: a deterministic proposal is a one-hot draft distribution, so the
@@ -22,22 +23,30 @@ from paged_backend.sample.sampler import Sampler
 from paged_backend.worker.model_runner import ModelRunner
 
 
+def load_draft_runner(config: EngineConfig, target_info: ModelInfo, device: torch.device, dtype: torch.dtype,
+                      max_model_len: int) -> ModelRunner:
+    """The draft checkpoint's runner, its cache not allocated yet (``bytes_per_block`` is known)."""
+    spec = config.speculative_config
+    assert spec is not None and spec.model is not None
+    if config.tensor_parallel_size > 1:
+        raise ValueError("speculative_config method 'draft_model' is not supported with tensor_parallel_size > 1")
+    model_dir = resolve_model_path(spec.model)
+    info = ModelInfo.from_dir(model_dir)
+    if info.vocab_size != target_info.vocab_size:
+        raise ValueError(f"the draft model's vocabulary ({info.vocab_size}) differs from the target's "
+                         f"({target_info.vocab_size})")
+    # the target's context: a draft whose positions stop short is refused here (resolve_limits)
+    draft_config = config.model_copy(update={"model": str(model_dir), "quantization": None,
+                                             "speculative_config": None, "max_model_len": max_model_len})
+    return ModelRunner(draft_config, model_dir, info, device, dtype)
+
+
 class DraftModelProposer:
-    def __init__(self, config: EngineConfig, target: ModelRunner, target_info: ModelInfo, kv: KVCacheManager,
-                 device: torch.device, dtype: torch.dtype, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner, target: ModelRunner, kv: KVCacheManager) -> None:
+        """``runner``: the draft's (``load_draft_runner``); ``target``: its cache already allocated."""
         spec = config.speculative_config
-        assert spec is not None and spec.model is not None
-        if config.tensor_parallel_size > 1:
-            raise ValueError("speculative_config method 'draft_model' is not supported with tensor_parallel_size > 1")
-        model_dir = resolve_model_path(spec.model)
-        info = ModelInfo.from_dir(model_dir)
-        if info.vocab_size != target_info.vocab_size:
-            raise ValueError(f"the draft model's vocabulary ({info.vocab_size}) differs from the target's "
-                             f"({target_info.vocab_size})")
-        # the target's context: a draft whose positions stop short is refused here (resolve_limits)
-        draft_config = config.model_copy(update={"model": str(model_dir), "quantization": None,
-                                                 "speculative_config": None, "max_model_len": max_model_len})
-        self.runner = ModelRunner(draft_config, model_dir, info, device, dtype)
+        assert spec is not None
+        self.runner = runner
         self.runner.allocate_kv_cache(target.num_blocks)
         self.target = target
         self.kv = kv

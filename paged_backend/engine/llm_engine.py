@@ -24,7 +24,7 @@ from paged_backend.config import EngineConfig, resolve_limits
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.request import RequestStatus
 from paged_backend.core.scheduler import Scheduler
-from paged_backend.engine.draft_model import DraftModelProposer
+from paged_backend.engine.draft_model import DraftModelProposer, load_draft_runner
 from paged_backend.engine.input_processor import InputProcessor, load_tokenizer, max_token_bytes, sample_id
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.parallel_sampling import ParallelSampling
@@ -64,7 +64,14 @@ class LLMEngine:
         self.async_scheduling = _async_scheduling(config, self.device)
 
         self.runner = create_model_runner(config, model_dir, self.info, self.device, self.dtype)
-        num_blocks = self.runner.determine_num_blocks()
+        spec = config.speculative_config
+        # a draft model's cache shares the target's block ids: loaded first, its bytes count per block
+        draft_runner = (load_draft_runner(config, self.info, self.device, self.dtype, self.max_model_len)
+                        if spec is not None and spec.method == "draft_model" else None)
+        draft_bytes = draft_runner.bytes_per_block if draft_runner is not None else 0
+        num_blocks = self.runner.determine_num_blocks(draft_bytes)
+        self.runner.allocate_kv_cache(num_blocks)
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(
@@ -79,13 +86,11 @@ class LLMEngine:
                                      self.kv, config.block_size, self.device)
         self.sampler = Sampler(seed=config.seed)
         self.step_sampler = StepSampler(self.sampler, self.eos_token_ids, self.async_scheduling, self.max_num_seqs)
-        spec = config.speculative_config
         self.spec = None
         if spec is not None:
             draft = None
-            if spec.method == "draft_model":
-                draft = DraftModelProposer(config, self.runner, self.info, self.kv, self.device, self.dtype,
-                                           self.max_model_len)
+            if draft_runner is not None:
+                draft = DraftModelProposer(config, draft_runner, self.runner, self.kv)
             self.spec = SpecDecoder(spec, self.scheduler, self.step_sampler, draft)
         if self.spec is not None:
             self.stats.spec = self.spec.stats
@@ -94,7 +99,7 @@ class LLMEngine:
         self.groups, self.samples = self.outputs.groups, self.outputs.samples  # the live requests
         self._inflight: LaunchedStep | None = None  # async: the step whose sampled ids are still on the device
         _log_engine(self)
-        _log_kv_cache(num_blocks, config.block_size, self.runner, self.max_model_len)
+        _log_kv_cache(num_blocks, config.block_size, self.runner, self.max_model_len, draft_bytes)
 
     # -- input ---------------------------------------------------------------------------
 
@@ -296,11 +301,11 @@ def _log_engine(engine: LLMEngine) -> None:
     )
 
 
-def _log_kv_cache(num_blocks: int, block_size: int, runner, max_model_len: int) -> None:
+def _log_kv_cache(num_blocks: int, block_size: int, runner, max_model_len: int, draft_bytes: int = 0) -> None:
     capacity = (num_blocks - 1) * block_size
     logger.info(
-        "KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB); max concurrency at "
+        "KV cache: %d blocks of %d tokens = %d tokens (%s, %.2f GiB%s); max concurrency at "
         "max_model_len %d: %.2fx", num_blocks - 1, block_size, capacity,
-        str(runner.kv_dtype).replace("torch.", ""), num_blocks * runner.bytes_per_block / 2**30,
-        max_model_len, capacity / max_model_len,
+        str(runner.kv_dtype).replace("torch.", ""), num_blocks * (runner.bytes_per_block + draft_bytes) / 2**30,
+        " with the draft model's" if draft_bytes else "", max_model_len, capacity / max_model_len,
     )

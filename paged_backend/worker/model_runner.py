@@ -70,6 +70,7 @@ class ModelRunner:
         self.kv_specs = [spec] * info.num_layers
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.kv_budget_bytes: int | None = None  # the KV budget determine_num_blocks divided (None: CPU default)
         self.limits = resolve_limits(config, info.max_position_embeddings, device)
         max_blocks = -(-self.limits.max_model_len // self.block_size) + 1
         self.inputs = StepInputBuilder(self.limits.max_num_batched_tokens, self.limits.max_num_seqs, max_blocks,
@@ -100,19 +101,25 @@ class ModelRunner:
         """One block id's bytes over every layer (the specs' sum)."""
         return sum(spec.bytes_per_block for spec in self.kv_specs)
 
-    def determine_num_blocks(self) -> int:
-        """From the memory budget: explicit bytes, the GPU's free memory, or a share of RAM."""
+    def determine_num_blocks(self, shared_bytes_per_block: int = 0) -> int:
+        """From the memory budget: explicit bytes, the GPU's free memory, or a share of RAM.
+
+        ``shared_bytes_per_block``: the bytes another cache indexed by the same block ids takes per
+        block (a draft model's); a block id then costs this runner's bytes plus those, and the budget
+        (``kv_budget_bytes`` once known) is divided by the sum."""
         cfg = self.config
         if cfg.num_gpu_blocks_override is not None:
             return cfg.num_gpu_blocks_override
+        per_block = self.bytes_per_block + shared_bytes_per_block
         if cfg.kv_cache_memory_bytes is not None:
             budget = cfg.kv_cache_memory_bytes
         elif self.device.type == "cuda":
             budget = self._profile_gpu_budget()
         else:
-            return cpu_default_num_blocks(self.bytes_per_block, self.block_size, self.limits.max_model_len,
+            return cpu_default_num_blocks(per_block, self.block_size, self.limits.max_model_len,
                                           self.limits.max_num_seqs)
-        return max(2, budget // self.bytes_per_block)
+        self.kv_budget_bytes = budget
+        return max(2, budget // per_block)
 
     def _profile_gpu_budget(self) -> int:
         """gpu_memory_utilization of the card, minus weights and a profiled activation peak."""

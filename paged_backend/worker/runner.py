@@ -39,8 +39,9 @@ class ModelRunnerProtocol(Protocol):
         """KV-cache bytes one block takes in this process (every layer, K and V)."""
         ...
 
-    def determine_num_blocks(self) -> int:
-        """The KV blocks the memory budget allows (on every rank)."""
+    def determine_num_blocks(self, shared_bytes_per_block: int = 0) -> int:
+        """The KV blocks the memory budget allows (on every rank); ``shared_bytes_per_block``: what
+        another cache on the same block ids (a draft model's) adds to each block's bytes."""
         ...
 
     def allocate_kv_cache(self, num_blocks: int) -> None:

@@ -181,9 +181,10 @@ class TensorParallelRunner:
     def bytes_per_block(self) -> int:
         return self.local.bytes_per_block
 
-    def determine_num_blocks(self) -> int:
+    def determine_num_blocks(self, shared_bytes_per_block: int = 0) -> int:
         """The KV blocks that fit on every rank (all-reduce MIN of each rank's own budget)."""
-        return self._mirrored("num_blocks", None, lambda: self.tp.min_int(self.local.determine_num_blocks()))
+        return self._mirrored("num_blocks", shared_bytes_per_block,
+                              lambda: self.tp.min_int(self.local.determine_num_blocks(shared_bytes_per_block)))
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         self._mirrored("allocate", num_blocks, lambda: self.local.allocate_kv_cache(num_blocks))
@@ -330,7 +331,7 @@ def run_worker(config: EngineConfig, model_dir: Path | str, info: ModelInfo, dev
             ledger.record(arg)
             runner.execute(arg)
         elif cmd == "num_blocks":
-            tp.min_int(runner.determine_num_blocks())
+            tp.min_int(runner.determine_num_blocks(arg or 0))
         elif cmd == "allocate":
             runner.allocate_kv_cache(arg)
         elif cmd == "report":
