@@ -38,6 +38,12 @@ class EngineConfig(BaseModel):
     gpu_memory_utilization: float = Field(0.9, gt=0.0, le=1.0)
     kv_cache_memory_bytes: int | None = Field(None, ge=1, description="explicit KV budget (CPU default: 1/4 of free RAM, max 4 GiB)")
     num_gpu_blocks_override: int | None = Field(None, ge=2)
+    swap_space: float = Field(0.0, ge=0.0, description="GiB of host memory (pinned on CUDA) per rank for KV blocks "
+                              "of requests preempted by swap; 0 = no host tier (vLLM's flag)")
+    preemption_mode: Literal["recompute", "swap"] | None = Field(
+        None, description="how a preempted request gives up its KV blocks: recompute (freed, recomputed later) or "
+        "swap (copied to the host tier and back); default: swap when there is host space and the request has "
+        "computed at least 256 tokens, else recompute")
     tensor_parallel_size: int = Field(1, ge=1)
     enable_expert_parallel: bool = Field(False, description="MoE models: each tensor-parallel rank holds whole "
                                          "experts (E / tensor_parallel_size of them) instead of a slice of every "
@@ -62,6 +68,10 @@ class EngineConfig(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:
+        if self.preemption_mode == "swap" and self.swap_space <= 0:
+            raise ValueError("preemption_mode 'swap' needs swap_space > 0 (GiB of host memory for the blocks)")
+        if self.swap_space > 0 and self.speculative_config is not None and self.speculative_config.method == "draft_model":
+            raise ValueError("swap_space is not supported with a draft model (its cache has no host tier)")
         if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
             if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(

@@ -36,6 +36,11 @@ _ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
                                      "--gpu-memory-utilization leaves; CPU: 1/4 of free RAM, at most 4 GiB and at "
                                      "most --max-num-seqs requests of --max-model-len tokens)"),
     "--num-gpu-blocks-override": (int, "exact number of KV blocks (default: sized from the memory budget)"),
+    "--swap-space": (float, "GiB of host memory per GPU for the KV blocks of requests preempted by swap "
+                            "(default: 0, no host tier)"),
+    "--preemption-mode": (str, "recompute | swap: how a preempted request gives up its KV blocks (default: swap "
+                               "when --swap-space is set and the request has computed >= 256 tokens, else "
+                               "recompute)"),
     "--tensor-parallel-size": (int, "GPUs to split the model over (default: 1)"),
     "--quantization": (str, "awq | gptq | fp8 | compressed-tensors, checked against the checkpoint (default: "
                             "from the checkpoint)"),

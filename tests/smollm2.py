@@ -83,7 +83,10 @@ def make_llm(**kw):
 
 
 def assert_no_leak(engine) -> None:
-    """Every block is back in the pool and no request is left anywhere."""
+    """Every block is back in its pool (device and host tier) and no request is left anywhere."""
     assert not engine.has_unfinished_requests()
     assert engine.scheduler.num_running == 0 and engine.scheduler.num_waiting == 0
     assert engine.kv.num_free_blocks == engine.kv.block_pool.num_total_usable
+    assert engine.scheduler.num_swapped == 0
+    if engine.swap is not None:  # the host tier: every block back too
+        assert engine.swap.num_free_blocks == engine.swap.num_total_usable

@@ -62,9 +62,10 @@ class KVCacheSpec:
     def bytes_per_block(self) -> int:
         return self.bytes_per_token * self.block_size
 
-    def allocate(self, num_blocks: int, device: torch.device | str) -> torch.Tensor:
-        """A zeroed cache of ``num_blocks`` blocks."""
-        return torch.zeros(self.shape(num_blocks), dtype=self.dtype, device=device)
+    def allocate(self, num_blocks: int, device: torch.device | str, pin_memory: bool = False) -> torch.Tensor:
+        """A zeroed cache of ``num_blocks`` blocks (``pin_memory``: page-locked host memory, the swap tier
+        of a CUDA cache)."""
+        return torch.zeros(self.shape(num_blocks), dtype=self.dtype, device=device, pin_memory=pin_memory)
 
     def copy_blocks(self, cache: torch.Tensor, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Blocks ``src`` copied onto blocks ``dst`` (copy-on-write of forked samples)."""
@@ -72,3 +73,17 @@ class KVCacheSpec:
             cache[dst] = cache[src]
         else:
             cache[:, dst] = cache[:, src]
+
+    def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """Block ``s`` of ``src_cache`` copied onto block ``d`` of ``dst_cache`` for each (s, d): one
+        tier to the other (device <-> host), same layout. Between devices each block is one
+        non-blocking copy (pinned host memory: asynchronous on the current stream); within one
+        device, a gather and a scatter."""
+        dim = self.block_dim
+        if src_cache.device == dst_cache.device:
+            src = torch.tensor([p[0] for p in pairs], device=src_cache.device)
+            dst = torch.tensor([p[1] for p in pairs], device=dst_cache.device)
+            dst_cache.index_copy_(dim, dst, src_cache.index_select(dim, src))
+            return
+        for s, d in pairs:
+            dst_cache.select(dim, d).copy_(src_cache.select(dim, s), non_blocking=True)

@@ -6,8 +6,11 @@ tokens: a whole prompt, a chunk of it, the recompute of a preempted request or o
 decode token are the same thing. A decoding request with draft tokens (speculative decoding,
 ``request.spec_token_ids``) gets 1 + k tokens: its last token and the k drafts, verified by the
 step; ``rollback_drafts`` then forgets the rejected positions. When the KV-cache manager cannot provide a block, the
-most recently arrived running request is preempted by recompute (its blocks are freed,
-it goes back to the front of the waiting queue; nothing it generated is lost).
+most recently arrived running request is preempted: by recompute (its blocks are freed,
+it goes back to the front of the waiting queue; nothing it generated is lost), or, with a host
+tier (``SwapSpace``, core/swap.py) whose rule says so, by swap (its computed blocks are copied to
+host blocks, its device blocks freed; it waits in the swapped queue and resumes, before any waiting
+request is admitted, by copying them back into new device blocks, without recomputing).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from operator import attrgetter
 
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.request import Request, RequestStatus
+from paged_backend.core.swap import SwapSpace
 
 _new_tokens_of = attrgetter("num_new_tokens")
 
@@ -83,6 +87,10 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[str] = field(default_factory=list)
+    # the host tier: (device, host) copies of requests swapped out this step, then (host, device)
+    # copies of those swapped back in; the runner applies them in that order, before blocks_to_copy
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -106,8 +114,11 @@ class Scheduler:
         max_num_batched_tokens: int,
         max_model_len: int,
         enable_chunked_prefill: bool = True,
+        swap: SwapSpace | None = None,
     ) -> None:
         self.kv = kv_manager
+        self.swap = swap  # the host tier (None: preemption always recomputes)
+        self.swapped: deque[Request] = deque()  # swapped out, resumed from the front before any waiting request
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -115,6 +126,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0
         self._step = 0  # counts schedule() calls; marks which requests this step already took
 
     # -- queue management -------------------------------------------------------------
@@ -134,6 +146,9 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.SWAPPED:
+            self.swapped.remove(request)
+            self.swap.free(request.request_id)
         else:
             try:
                 self.waiting.remove(request)
@@ -150,8 +165,12 @@ class Scheduler:
     def num_waiting(self) -> int:
         return len(self.waiting)
 
+    @property
+    def num_swapped(self) -> int:
+        return len(self.swapped)
+
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        return bool(self.running or self.waiting or self.swapped)
 
     # -- one step ---------------------------------------------------------------------
 
@@ -215,7 +234,9 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        if not out.preempted:
+        if not out.preempted and self.swapped:
+            budget = self._swap_in(out, budget)
+        if not out.preempted and not self.swapped:
             while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_pending:  # preempted while its last token was in flight: next step
@@ -241,6 +262,28 @@ class Scheduler:
 
         out.blocks_to_copy = self.kv.take_pending_copies()
         return out
+
+    def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
+        """Resume swapped-out requests, oldest first: new device blocks for their computed tokens and
+        this step's new ones, the host copies queued in ``blocks_to_swap_in``; they compute at once."""
+        swap, kv = self.swap, self.kv
+        while self.swapped and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.swapped[0]
+            if req.num_pending:  # swapped out while its last token was in flight: next step
+                break
+            num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
+            if num_new <= 0 or (num_new < len(req.all_token_ids) - req.num_computed_tokens and not self.chunked):
+                break
+            if kv.allocate_slots(req, num_new) is None:
+                break
+            self.swapped.popleft()
+            out.blocks_to_swap_in += swap.swap_in(req.request_id, kv.req_block_ids[req.request_id])
+            req.status = RequestStatus.RUNNING
+            req.scheduled_step = self._step
+            self.running.append(req)
+            out.scheduled.append(self._record(req, num_new))
+            budget -= num_new
+        return budget
 
     def _fit_drafts(self, req: Request, num_new: int, budget: int) -> list[int]:
         """The request's drafts that this step can verify: only with its last token alone to compute,
@@ -278,11 +321,22 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
-        self.kv.free(req)
-        req.num_computed_tokens = 0
         req.spec_token_ids = []
         req.num_preemptions += 1
-        req.status = RequestStatus.PREEMPTED
-        self.waiting.appendleft(req)
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
+        swap = self.swap
+        if swap is not None and swap.should_swap(req.num_computed_tokens):
+            # the blocks holding computed tokens go to the host; the copies run before this step's
+            # forward (which may reuse the freed device blocks), and the request keeps its progress
+            held = self.kv.req_block_ids.get(req.request_id, [])
+            out.blocks_to_swap_out += swap.swap_out(req.request_id, held[:swap.blocks_needed(req.num_computed_tokens)])
+            self.kv.free(req)
+            req.status = RequestStatus.SWAPPED
+            self.swapped.appendleft(req)  # a later victim arrived earlier: it resumes first
+            self.num_swap_preemptions += 1
+            return
+        self.kv.free(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        self.waiting.appendleft(req)

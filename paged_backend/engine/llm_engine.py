@@ -24,6 +24,7 @@ from paged_backend.config import EngineConfig, resolve_limits
 from paged_backend.core.kv_cache_manager import KVCacheManager
 from paged_backend.core.request import RequestStatus
 from paged_backend.core.scheduler import Scheduler
+from paged_backend.core.swap import SwapSpace
 from paged_backend.engine.draft_model import DraftModelProposer, load_draft_runner
 from paged_backend.engine.input_processor import InputProcessor, load_tokenizer, max_token_bytes, sample_id
 from paged_backend.engine.output_processor import OutputProcessor
@@ -72,14 +73,16 @@ class LLMEngine:
         num_blocks = self.runner.determine_num_blocks(draft_bytes)
         self.runner.allocate_kv_cache(num_blocks)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.runner.allocate_kv_cache(num_blocks)
-        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        # the host tier (swap_space GiB): swap preemption's blocks, same block size
+        num_host = self.runner.num_host_blocks
+        self.swap = SwapSpace(num_host, config.block_size, config.preemption_mode) if num_host else None
         self.scheduler = Scheduler(
             self.kv,
             max_num_seqs=self.max_num_seqs,
             max_num_batched_tokens=self.max_num_batched_tokens,
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
+            swap=self.swap,
         )
         self.stats = EngineStats(interval=0 if config.disable_log_stats else config.log_stats_interval)
         self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.eos_token_ids, self.max_model_len,

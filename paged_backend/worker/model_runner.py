@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from contextlib import nullcontext as _nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -70,6 +71,10 @@ class ModelRunner:
         self.kv_specs = [spec] * info.num_layers
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
+        # the host tier (swap_space GiB, same layout; pinned on CUDA) and its side stream
+        self.host_caches: list[torch.Tensor] = []
+        self.num_host_blocks = 0
+        self._swap_stream: torch.cuda.Stream | None = None
         self.kv_budget_bytes: int | None = None  # the KV budget determine_num_blocks divided (None: CPU default)
         self.limits = resolve_limits(config, info.max_position_embeddings, device)
         max_blocks = -(-self.limits.max_model_len // self.block_size) + 1
@@ -169,6 +174,7 @@ class ModelRunner:
         """The cache, then (on CUDA) the decode graphs that read it."""
         self.num_blocks = num_blocks
         self.kv_caches = [spec.allocate(num_blocks, self.device) for spec in self.kv_specs]
+        self.allocate_host_cache()
         if self.device.type == "cuda" and not self._profiled:
             self.warm_up_prefill()
         self.warm_up_attention()
@@ -208,6 +214,38 @@ class ModelRunner:
             return
         logger.info("attention kernels warmed up for %d step shapes in %.1f s", n, time.perf_counter() - t0)
 
+    def allocate_host_cache(self) -> None:
+        """The host tier: ``swap_space`` GiB of blocks (incl. a null block 0, as the device cache), none at 0."""
+        n = int(self.config.swap_space * (1 << 30)) // self.bytes_per_block
+        if n < 2:
+            return
+        cuda = self.device.type == "cuda"
+        self.host_caches = [spec.allocate(n, "cpu", pin_memory=cuda) for spec in self.kv_specs]
+        self.num_host_blocks = n
+        if cuda:
+            self._swap_stream = torch.cuda.Stream(self.device)
+
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Device -> host (device, host) pairs, then host -> device (host, device) pairs, every layer.
+        On CUDA they run on their own stream, after the work queued so far (the blocks swapped out
+        hold KV of earlier steps) and before anything queued after (the forward reuses freed blocks
+        and reads the swapped-in ones)."""
+        if not swap_out and not swap_in:
+            return
+        if not self.host_caches:
+            raise RuntimeError("blocks to swap but no host KV tier (swap_space is 0)")
+        stream = self._swap_stream
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            for spec, dev, host in zip(self.kv_specs, self.kv_caches, self.host_caches, strict=True):
+                if swap_out:
+                    spec.swap_blocks(dev, host, swap_out)
+                if swap_in:
+                    spec.swap_blocks(host, dev, swap_in)
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
             return
@@ -240,6 +278,7 @@ class ModelRunner:
         ``prev`` (async scheduling): the step still in flight's sampled request ids and their
         sampled token ids (device), for the tokens scheduled before they were known.
         """
+        self.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
         self.copy_blocks(sched.blocks_to_copy)
         builder = self._builder_for(sched)
         n_seqs = len(sched.scheduled)

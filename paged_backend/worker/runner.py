@@ -31,6 +31,7 @@ class ModelRunnerProtocol(Protocol):
 
     kv_dtype: torch.dtype
     num_blocks: int  # KV blocks allocated (incl. the null block 0); 0 before allocate_kv_cache
+    num_host_blocks: int  # host-tier blocks (swap_space; incl. a null block 0); 0 without one
     num_kv_heads: int  # KV heads whose cache this process holds
     step_counts: dict[str, int]  # forward passes by path ("graph", "eager")
 

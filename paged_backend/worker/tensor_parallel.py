@@ -170,6 +170,10 @@ class TensorParallelRunner:
         return self.local.num_blocks
 
     @property
+    def num_host_blocks(self) -> int:  # every rank sizes its own host tier the same from swap_space
+        return self.local.num_host_blocks
+
+    @property
     def num_kv_heads(self) -> int:
         return self.local.num_kv_heads
 

@@ -1,0 +1,172 @@
+"""Swap preemption in the scheduler over a real KVCacheManager and host SwapSpace, with exact block
+ids (no torch): swap out, swap in, the preemption rule, and aborts in every state freeing both tiers.
+
+Device: 6 usable blocks of 4 tokens; host: 8 usable blocks. Two requests of 7-token prompts each
+take 2 blocks, a third block at position 8 (step 3) and need a fourth at position 12 (step 7),
+when the device pool is empty: the later one is preempted.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_backend.core.kv_cache_manager import KVCacheManager
+from paged_backend.core.request import Request, RequestStatus
+from paged_backend.core.scheduler import Scheduler, SchedulerOutput
+from paged_backend.core.swap import SWAP_MIN_TOKENS, SwapSpace
+from paged_backend.sampling_params import SamplingParams
+
+
+class SwapSim:
+    def __init__(self, *, host_blocks: int = 9, mode: str | None = "swap", min_tokens: int = SWAP_MIN_TOKENS,
+                 max_num_seqs: int = 8) -> None:
+        self.kv = KVCacheManager(7, 4, True)
+        self.swap = SwapSpace(host_blocks, 4, mode, min_tokens)
+        self.sched = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
+                               swap=self.swap)
+        self.reqs: dict[str, Request] = {}
+
+    def add(self, req_id: str, first: int, max_tokens: int, arrival: float) -> Request:
+        req = Request(req_id, list(range(first, first + 7)), SamplingParams(), max_tokens=max_tokens,
+                      arrival_time=arrival)
+        self.reqs[req_id] = req
+        self.sched.add_request(req)
+        return req
+
+    def step(self) -> SchedulerOutput:
+        out = self.sched.schedule()
+        for s in out.scheduled:
+            if s.samples:
+                req = self.reqs[s.request_id]
+                req.append_output_token(900 + req.num_output_tokens)
+                if req.num_output_tokens >= req.max_tokens:
+                    self.sched.finish(req, RequestStatus.FINISHED_LENGTH)
+        return out
+
+    def assert_all_free(self) -> None:
+        assert self.kv.num_free_blocks == self.kv.block_pool.num_total_usable == 6
+        assert self.swap.num_free_blocks == self.swap.num_total_usable
+        assert not self.sched.has_work()
+        assert all(b.ref_cnt == 0 for b in self.swap.pool.blocks)
+
+
+def rows(out: SchedulerOutput) -> list[tuple[str, int, int, list[int]]]:
+    return [(s.request_id, s.start_pos, s.num_new_tokens, list(s.block_ids)) for s in out.scheduled]
+
+
+def run_to_swap(sim: SwapSim, a_max: int = 7, b_max: int = 14) -> SchedulerOutput:
+    a = sim.add("a", 100, a_max, 0.0)
+    b = sim.add("b", 200, b_max, 1.0)
+    assert rows(sim.step()) == [("a", 0, 7, [1, 2]), ("b", 0, 7, [3, 4])]
+    sim.step()
+    assert rows(sim.step()) == [("a", 8, 1, [1, 2, 5]), ("b", 8, 1, [3, 4, 6])]
+    for _ in range(3):
+        sim.step()
+    assert sim.kv.num_free_blocks == 0 and a.num_computed_tokens == b.num_computed_tokens == 12
+    return sim.step()  # step 7: a needs a fourth block
+
+
+def test_swap_out_then_in_without_recompute() -> None:
+    sim = SwapSim()
+    out = run_to_swap(sim)
+    b = sim.reqs["b"]
+    # b's three computed blocks go to host blocks 1..3; freed tail first (6, 4, 3), a takes 6
+    assert out.preempted == ["b"]
+    assert out.blocks_to_swap_out == [(3, 1), (4, 2), (6, 3)] and out.blocks_to_swap_in == []
+    assert rows(out) == [("a", 12, 1, [1, 2, 5, 6])]
+    assert b.status == RequestStatus.SWAPPED and b.num_computed_tokens == 12 and b.num_tokens == 13
+    assert [r.request_id for r in sim.sched.swapped] == ["b"] and sim.sched.num_waiting == 0
+    assert sim.kv.get_block_ids("b") == [] and sim.swap.host_block_ids("b") == [1, 2, 3]
+    assert sim.swap.num_free_blocks == 5 and sim.sched.num_swap_preemptions == 1
+    # a finished at that step (7 outputs): 6, 5, 2, 1 join the free queue after 4, 3
+    assert sim.reqs["a"].is_finished
+    assert [blk.block_id for blk in sim.kv.block_pool.free_block_queue.get_all_free_blocks()] == [4, 3, 6, 5, 2, 1]
+    out = sim.step()
+    # b resumes at position 12 in four new blocks: its three blocks come back from the host, nothing recomputed
+    assert rows(out) == [("b", 12, 1, [4, 3, 6, 5])]
+    assert out.blocks_to_swap_in == [(1, 4), (2, 3), (3, 6)] and out.blocks_to_swap_out == []
+    assert b.status == RequestStatus.RUNNING and sim.swap.num_free_blocks == 8
+    assert sim.swap.num_swapped_out_blocks == sim.swap.num_swapped_in_blocks == 3
+    while sim.sched.has_work():
+        sim.step()
+    assert b.num_output_tokens == 14 and b.num_preemptions == 1
+    sim.assert_all_free()
+
+
+def test_no_waiting_request_admitted_while_one_is_swapped_out() -> None:
+    sim = SwapSim()
+    run_to_swap(sim, a_max=14)
+    sim.add("c", 300, 2, 2.0)
+    out = sim.step()  # a decodes in its fourth block; b cannot come back (needs 4, 0 free): c waits too
+    assert rows(out) == [("a", 13, 1, [1, 2, 5, 6])]
+    assert sim.sched.num_swapped == 1 and sim.sched.num_waiting == 1
+    while sim.sched.has_work():
+        sim.step()
+    sim.assert_all_free()
+
+
+def test_abort_while_swapped_out_frees_the_host_blocks() -> None:
+    sim = SwapSim()
+    run_to_swap(sim, a_max=14)  # the abort comes right after the step that issued the swap-out copies
+    sim.sched.finish(sim.reqs["b"], RequestStatus.FINISHED_ABORTED)
+    assert sim.swap.num_free_blocks == 8 and sim.sched.num_swapped == 0 and sim.swap.host_block_ids("b") == []
+    sim.sched.finish(sim.reqs["a"], RequestStatus.FINISHED_ABORTED)
+    sim.assert_all_free()
+
+
+def test_abort_in_the_step_that_swaps_in_frees_the_new_device_blocks() -> None:
+    sim = SwapSim()
+    run_to_swap(sim)
+    out = sim.sched.schedule()  # b swapped in; abort before its step ran
+    assert out.blocks_to_swap_in == [(1, 4), (2, 3), (3, 6)]
+    assert sim.kv.get_block_ids("b") == [4, 3, 6, 5] and sim.swap.num_free_blocks == 8
+    sim.sched.finish(sim.reqs["b"], RequestStatus.FINISHED_ABORTED)
+    sim.assert_all_free()
+
+
+def test_abort_while_running_after_a_swap_round_trip() -> None:
+    sim = SwapSim()
+    run_to_swap(sim)
+    sim.step()
+    sim.step()
+    assert sim.reqs["b"].status == RequestStatus.RUNNING
+    sim.sched.finish(sim.reqs["b"], RequestStatus.FINISHED_ABORTED)
+    sim.assert_all_free()
+
+
+@pytest.mark.parametrize(("mode", "min_tokens", "host_blocks", "swapped"), [
+    ("recompute", 0, 9, False),   # never swaps
+    (None, SWAP_MIN_TOKENS, 9, False),  # the default rule: 12 computed tokens are too few to pay for the copies
+    (None, 12, 9, True),          # at the threshold it swaps
+    ("swap", 0, 3, False),        # 3 blocks to copy, 2 usable host blocks: recompute instead
+])
+def test_preemption_rule(mode: str | None, min_tokens: int, host_blocks: int, swapped: bool) -> None:
+    sim = SwapSim(host_blocks=host_blocks, mode=mode, min_tokens=min_tokens)
+    out = run_to_swap(sim)
+    b = sim.reqs["b"]
+    assert out.preempted == ["b"]
+    if swapped:
+        assert b.status == RequestStatus.SWAPPED and out.blocks_to_swap_out == [(3, 1), (4, 2), (6, 3)]
+    else:
+        assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
+        assert out.blocks_to_swap_out == [] and sim.sched.num_swapped == 0
+        assert [r.request_id for r in sim.sched.waiting] == ["b"]
+    while sim.sched.has_work():
+        sim.step()
+    assert b.num_output_tokens == 14
+    sim.assert_all_free()
+
+
+def test_swap_space_pool_accounting() -> None:
+    swap = SwapSpace(5, 4)
+    assert swap.num_total_usable == 4 and swap.blocks_needed(9) == 3
+    assert swap.swap_out("x", [7, 3]) == [(7, 1), (3, 2)]
+    with pytest.raises(ValueError):
+        swap.swap_out("x", [1])
+    with pytest.raises(ValueError):
+        swap.swap_out("y", [1, 2, 5])  # 2 free host blocks
+    assert swap.swap_in("x", [9, 4, 8]) == [(1, 9), (2, 4)]
+    assert swap.num_free_blocks == 4
+    swap.free("x")  # not swapped: a no-op
+    with pytest.raises(ValueError):
+        SwapSpace(5, 4, "sometimes")
