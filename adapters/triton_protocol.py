@@ -60,9 +60,9 @@ RETURN_FLAGS = ("return_finish_reason", "return_cumulative_logprob", "return_log
 # CUDA-graph sizes, download places, v0 scheduler knobs ...): accepted, logged, ignored.
 IGNORED_VLLM_ARGS = frozenset({
     "disable_custom_all_reduce", "trust_remote_code", "disable_log_requests", "enable_log_requests",
-    "worker_use_ray", "distributed_executor_backend", "swap_space", "max_seq_len_to_capture",
+    "worker_use_ray", "distributed_executor_backend", "max_seq_len_to_capture",
     "disable_sliding_window", "tokenizer_mode", "revision", "code_revision", "tokenizer_revision", "download_dir",
-    "compilation_config", "cpu_offload_gb", "use_v2_block_manager", "preemption_mode", "scheduler_delay_factor",
+    "compilation_config", "cpu_offload_gb", "use_v2_block_manager", "scheduler_delay_factor",
     "num_scheduler_steps", "multi_step_stream_outputs", "max_parallel_loading_workers", "ray_workers_use_nsight",
     "disable_async_output_proc", "guided_decoding_backend", "otlp_traces_endpoint", "collect_detailed_traces",
     "model_loader_extra_config", "ignore_patterns", "enable_sleep_mode", "max_logprobs", "block_allocator",
@@ -78,7 +78,6 @@ OFF_ONLY_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     "enable_prompt_adapter": (None, False, "false", "False"),
     "pipeline_parallel_size": (None, 1, "1"),
     "data_parallel_size": (None, 1, "1"),
-    "speculative_config": (None, {}, ""),
     "speculative_model": (None, ""),
     "num_speculative_tokens": (None, 0, "0"),
     "kv_transfer_config": (None, {}, ""),
