@@ -169,3 +169,12 @@ def test_prefill_tiles_fill_64_mma_rows_and_the_cpu_warms_nothing():
     assert prefill_tile_for(16) == (4, 64) and prefill_tile_for(128) == (1, 64) and prefill_tile_for(20) == (2, 64)
     assert prefill_tile_for(16, torch.float32) == (2, 32)  # fp32: half the tile (twice the bytes)
     assert warm_up(torch.zeros(4, 16, 48), torch.float32, 4, 32, max_model_len=64) == 0
+
+
+def test_decode_tiles_take_32_keys_for_16_head_blocks_and_64_for_wider():
+    from paged_backend.kernels.mla_attention import decode_tile_for
+
+    assert decode_tile_for(16, torch.bfloat16, 512) == (32, 4, 2)
+    assert decode_tile_for(64, torch.bfloat16, 512) == (64, 8, 2)
+    assert decode_tile_for(64, torch.float16, 64) == (64, 4, 2)
+    assert decode_tile_for(16, torch.float32, 512) == (32, 8, 2)
