@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -9,7 +10,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,3 +90,13 @@ def stop(server: Server, timeout: float = 60) -> bool:
         os.killpg(server.proc.pid, signal.SIGKILL)
         server.proc.wait()
         return False
+
+
+@contextlib.contextmanager
+def serving(tmp: Path, args: Mapping[str, object]) -> Iterator[Server]:
+    """A ready ``bentoml serve`` for the block's duration, stopped by SIGTERM after it (asserted)."""
+    srv = start(tmp, args)
+    try:
+        yield wait_ready(srv)
+    finally:
+        assert stop(srv), "bentoml serve did not stop on SIGTERM"

@@ -13,7 +13,7 @@ import json
 import httpx
 import openai
 import pytest
-from bento_server import MODEL, start, stop, wait_ready
+from bento_server import MODEL, serving
 
 pytestmark = pytest.mark.slow
 
@@ -34,11 +34,8 @@ HERMES_CALL = r'<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "Pa
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    srv = start(tmp_path_factory.mktemp("bentoml-tools"), ARGS)
-    try:
-        yield wait_ready(srv)
-    finally:
-        assert stop(srv), "bentoml serve did not stop on SIGTERM"
+    with serving(tmp_path_factory.mktemp("bentoml-tools"), ARGS) as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
