@@ -9,12 +9,14 @@ Invariants (tests assert them after every step):
     (``get_new_blocks`` evicts it then); ``block.block_hash is not None`` exactly when
     ``cached_blocks[block.block_hash] is block``;
   - the free queue is LRU: ``popleft`` returns the least recently freed block; at start
-    it holds block ids 1..N-1 in order.
+    it holds block ids 1..N-1 in order;
+  - ``on_evict`` (the host tier's write-back, when set) sees every hash ``get_new_blocks`` evicts,
+    with the block id, before the block is handed out.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from paged_backend.core.block_hash import BlockHash
@@ -135,6 +137,8 @@ class BlockPool:
         self.free_block_queue = FreeBlockQueue(self.blocks[1:])
         self.cached_blocks: dict[BlockHash, KVCacheBlock] = {}
         self.stats = PrefixCacheStats()
+        # called with (block_id, block_hash) for each cached block get_new_blocks evicts
+        self.on_evict: Callable[[int, BlockHash], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -163,6 +167,8 @@ class BlockPool:
             block = popleft()
             assert block.ref_cnt == 0, block
             if block.block_hash is not None:
+                if self.on_evict is not None:
+                    self.on_evict(block.block_id, block.block_hash)
                 self._evict_hash(block)
             block.ref_cnt = 1
             out.append(block)

@@ -3,11 +3,17 @@
 No torch here. The scheduler drives it:
 
     blocks, n = mgr.get_computed_blocks(req)          # waiting request: longest cached prefix
-    new = mgr.allocate_slots(req, num_new, blocks)     # None -> nothing changed; preempt or wait
+    host = mgr.get_host_computed_blocks(req, len(blocks))  # and its continuation in the host tier
+    new = mgr.allocate_slots(req, num_new, blocks, host)   # None -> nothing changed; preempt or wait
     copies = mgr.take_pending_copies()                 # model runner copies KV src -> dst first
     ...forward writes K/V of the scheduled tokens...
     mgr.trim(req)                                      # rejected draft tokens given up
     mgr.free(req)                                      # finished, aborted or preempted
+
+With a host tier attached (``attach_host_tier``, core/swap.py) the prefix cache has two tiers:
+a cached block the device pool evicts is written back to the host, and ``allocate_slots`` gives a
+host hit a new device block that the host copy fills (``SwapSpace.take_copies``) before the
+forward; the hash chain is the same in both tiers.
 
 A request's block list covers its token positions in order: token ``p`` lives in slot
 ``p % block_size`` of ``blocks[p // block_size]``.
@@ -27,9 +33,14 @@ allocate, copy and cache nothing. Every allocation, fork, trim and free keeps ``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from paged_backend.core.block_hash import extend_block_hashes
 from paged_backend.core.block_pool import BlockPool, KVCacheBlock, PrefixCacheStats
 from paged_backend.core.request import Request
+
+if TYPE_CHECKING:
+    from paged_backend.core.swap import SwapSpace
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -56,6 +67,14 @@ class KVCacheManager:
         # how many leading blocks of each request have been offered to the prefix cache
         self._num_cached_blocks: dict[str, int] = {}
         self._pending_copies: list[tuple[int, int]] = []
+        self.host: SwapSpace | None = None  # the prefix cache's host tier (attach_host_tier)
+
+    def attach_host_tier(self, host: SwapSpace) -> None:
+        """Make ``host`` the prefix cache's second tier (with prefix caching on both sides): the
+        device pool's evictions are written back there and lookups continue there."""
+        if self.enable_caching and host.pool.enable_caching:
+            self.host = host
+            self.block_pool.on_evict = host.write_back
 
     # ---- queries -------------------------------------------------------------------------
 
@@ -99,9 +118,8 @@ class KVCacheManager:
         if not self.enable_caching:
             return [], 0
         extend_block_hashes(request.block_hashes, request.all_token_ids, self.block_size, request.cache_salt)
-        max_hit_blocks = (request.num_tokens - 1) // self.block_size
         hit: list[KVCacheBlock] = []
-        for block_hash in request.block_hashes[:max_hit_blocks]:
+        for block_hash in request.block_hashes[:self._max_hit_blocks(request)]:
             block = self.block_pool.get_cached_block(block_hash)
             if block is None:
                 break
@@ -110,8 +128,19 @@ class KVCacheManager:
         self.block_pool.stats.record(request.num_tokens, num_hit_tokens)
         return hit, num_hit_tokens
 
-    def reset_prefix_cache(self) -> bool:
-        return self.block_pool.reset_prefix_cache()
+    def get_host_computed_blocks(self, request: Request, num_device_hits: int) -> list[KVCacheBlock]:
+        """The host tier's continuation of a device hit of ``num_device_hits`` blocks (after
+        ``get_computed_blocks``): host blocks, never covering the last token; records a query in the
+        host tier's ``stats``; takes no references (``allocate_slots`` does). [] without a tier."""
+        host = self.host
+        if host is None:
+            return []
+        hit = host.lookup(request.block_hashes[num_device_hits:self._max_hit_blocks(request)])
+        host.stats.record(request.num_tokens, len(hit) * self.block_size)
+        return hit
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        return (request.num_tokens - 1) // self.block_size
 
     # ---- allocation ----------------------------------------------------------------------
 
@@ -120,9 +149,12 @@ class KVCacheManager:
         request: Request,
         num_new_tokens: int,
         new_computed_blocks: list[KVCacheBlock] | None = None,
+        host_computed_blocks: list[KVCacheBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_computed + num_new_tokens`` tokens, where num_computed is
-        ``request.num_computed_tokens`` plus the prefix-hit blocks ``new_computed_blocks``.
+        ``request.num_computed_tokens`` plus the prefix-hit blocks ``new_computed_blocks`` and the
+        host tier's hits after them, ``host_computed_blocks`` (each gets the next new device block,
+        filled by a host copy queued in the tier).
 
         Takes references on the hit blocks, copies (COW) any shared block that the new tokens
         write into, appends fresh blocks, then caches every block those tokens fill.
@@ -132,7 +164,7 @@ class KVCacheManager:
         """
         req_id = request.request_id
         blocks = self._req_blocks.get(req_id)
-        if blocks and not new_computed_blocks and num_new_tokens > 0:
+        if blocks and not new_computed_blocks and not host_computed_blocks and num_new_tokens > 0:
             # fast path (a decode step, mostly): the held blocks have room and the ones written
             # are private, so nothing is allocated or copied; only a block just filled is cached
             bs = self.block_size
@@ -157,12 +189,13 @@ class KVCacheManager:
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
         hit_blocks = new_computed_blocks or []
+        host_hits = host_computed_blocks or []
         if blocks is None:
             blocks = []
-        if hit_blocks and blocks:
+        if (hit_blocks or host_hits) and blocks:
             raise ValueError(f"request {req_id} already holds blocks; prefix hits are for new requests")
 
-        num_computed = request.num_computed_tokens + len(hit_blocks) * self.block_size
+        num_computed = request.num_computed_tokens + (len(hit_blocks) + len(host_hits)) * self.block_size
         num_total = num_computed + num_new_tokens
         num_held = len(blocks) + len(hit_blocks)
         num_fresh = max(0, _cdiv(num_total, self.block_size) - num_held)
@@ -174,12 +207,16 @@ class KVCacheManager:
             return None
 
         self.block_pool.touch(hit_blocks)
+        if host_hits:  # held first: the allocations below may write evicted blocks back to the host
+            self.host.hold(host_hits)
         blocks.extend(hit_blocks)
         self._req_blocks[req_id] = blocks
         self._num_cached_blocks.setdefault(req_id, len(hit_blocks))
         for i in cow_indices:
             self._copy_on_write(blocks, i)
         fresh = self.block_pool.get_new_blocks(num_fresh)
+        if host_hits:
+            self.host.load(host_hits, [b.block_id for b in fresh[:len(host_hits)]])
         blocks.extend(fresh)
         self.req_block_ids[req_id] = [b.block_id for b in blocks]
         self._cache_full_blocks(request, blocks, min(num_total, request.num_tokens))
@@ -187,6 +224,18 @@ class KVCacheManager:
         quiet = num_new_tokens > 0 and num_total % bs != 0
         self.quiet_end[req_id] = (num_total // bs + 1) * bs if quiet else num_total
         return fresh
+
+    def take_pending_swaps(self) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+        """The prefix tier's (device, host) write-backs and (host, device) loads of this step's plan,
+        for ``blocks_to_swap_out`` / ``blocks_to_swap_in``; ([], []) without a host tier."""
+        return self.host.take_copies() if self.host is not None else ([], [])
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash, both tiers; only when every device block is free and no request
+        is swapped out (returns True then)."""
+        if self.host is not None and self.host.pool.num_free_blocks != self.host.pool.num_total_usable:
+            return False
+        return self.block_pool.reset_prefix_cache() and (self.host is None or self.host.reset_prefix_cache())
 
     def take_pending_copies(self) -> list[tuple[int, int]]:
         """(src_block_id, dst_block_id) KV copies that must happen before this step's forward."""

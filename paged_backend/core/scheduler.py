@@ -10,7 +10,9 @@ most recently arrived running request is preempted: by recompute (its blocks are
 it goes back to the front of the waiting queue; nothing it generated is lost), or, with a host
 tier (``SwapSpace``, core/swap.py) whose rule says so, by swap (its computed blocks are copied to
 host blocks, its device blocks freed; it waits in the swapped queue and resumes, before any waiting
-request is admitted, by copying them back into new device blocks, without recomputing).
+request is admitted, by copying them back into new device blocks, without recomputing). With prefix
+caching the host tier is also the prefix cache's second tier: a waiting request's prefix continues
+there past its device hit, and the step copies those blocks back (``KVCacheManager.attach_host_tier``).
 """
 
 from __future__ import annotations
@@ -87,8 +89,9 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # copy-on-write (src, dst)
     preempted: list[str] = field(default_factory=list)
-    # the host tier: (device, host) copies of requests swapped out this step, then (host, device)
-    # copies of those swapped back in; the runner applies them in that order, before blocks_to_copy
+    # the host tier: (device, host) copies of requests swapped out this step and of evicted cached
+    # blocks written back, then (host, device) copies of requests swapped back in and of prefix hits
+    # in the host tier; the runner applies them in that order, before blocks_to_copy
     blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
 
@@ -118,6 +121,10 @@ class Scheduler:
     ) -> None:
         self.kv = kv_manager
         self.swap = swap  # the host tier (None: preemption always recomputes)
+        if swap is not None:
+            kv_manager.attach_host_tier(swap)  # with prefix caching, the prefix cache's second tier
+        # swap-out copies of a step that scheduled nothing (so ran nothing): the next step's run does them first
+        self._unrun_swap_out: list[tuple[int, int]] = []
         self.swapped: deque[Request] = deque()  # swapped out, resumed from the front before any waiting request
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -241,13 +248,15 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.num_pending:  # preempted while its last token was in flight: next step
                     break
-                computed, num_cached = [], 0
+                computed, num_cached, host = [], 0, []
                 if req.sampling_params.prompt_logprobs is None:
                     computed, num_cached = self.kv.get_computed_blocks(req)
+                    host = self.kv.get_host_computed_blocks(req, len(computed))
+                    num_cached += len(host) * self.kv.block_size
                 num_new = self._num_new_tokens(req, budget, num_cached)
                 if num_new == 0:
                     break
-                if self.kv.allocate_slots(req, num_new, computed) is None:
+                if self.kv.allocate_slots(req, num_new, computed, host) is None:
                     break
                 self.waiting.popleft()
                 if req.num_cached_tokens < 0:
@@ -261,6 +270,13 @@ class Scheduler:
                 budget -= num_new
 
         out.blocks_to_copy = self.kv.take_pending_copies()
+        if self.swap is not None:
+            write_backs, loads = self.kv.take_pending_swaps()
+            out.blocks_to_swap_out = self._unrun_swap_out + out.blocks_to_swap_out + write_backs
+            out.blocks_to_swap_in += loads
+            self._unrun_swap_out = []
+            if not out.scheduled:  # the engine runs no step without a request: keep the copies for the next
+                self._unrun_swap_out, out.blocks_to_swap_out = out.blocks_to_swap_out, []
         return out
 
     def _swap_in(self, out: SchedulerOutput, budget: int) -> int:
@@ -330,7 +346,9 @@ class Scheduler:
             # the blocks holding computed tokens go to the host; the copies run before this step's
             # forward (which may reuse the freed device blocks), and the request keeps its progress
             held = self.kv.req_block_ids.get(req.request_id, [])
-            out.blocks_to_swap_out += swap.swap_out(req.request_id, held[:swap.blocks_needed(req.num_computed_tokens)])
+            full = req.block_hashes[:req.num_computed_tokens // self.kv.block_size]  # cached there too
+            out.blocks_to_swap_out += swap.swap_out(req.request_id, held[:swap.blocks_needed(req.num_computed_tokens)],
+                                                    full)
             self.kv.free(req)
             req.status = RequestStatus.SWAPPED
             self.swapped.appendleft(req)  # a later victim arrived earlier: it resumes first

@@ -9,54 +9,16 @@ when the device pool is empty: the later one is preempted.
 from __future__ import annotations
 
 import pytest
+from swap_sim import SwapSim, rows
 
-from paged_backend.core.kv_cache_manager import KVCacheManager
-from paged_backend.core.request import Request, RequestStatus
-from paged_backend.core.scheduler import Scheduler, SchedulerOutput
+from paged_backend.core.request import RequestStatus
+from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.core.swap import SWAP_MIN_TOKENS, SwapSpace
-from paged_backend.sampling_params import SamplingParams
-
-
-class SwapSim:
-    def __init__(self, *, host_blocks: int = 9, mode: str | None = "swap", min_tokens: int = SWAP_MIN_TOKENS,
-                 max_num_seqs: int = 8) -> None:
-        self.kv = KVCacheManager(7, 4, True)
-        self.swap = SwapSpace(host_blocks, 4, mode, min_tokens)
-        self.sched = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
-                               swap=self.swap)
-        self.reqs: dict[str, Request] = {}
-
-    def add(self, req_id: str, first: int, max_tokens: int, arrival: float) -> Request:
-        req = Request(req_id, list(range(first, first + 7)), SamplingParams(), max_tokens=max_tokens,
-                      arrival_time=arrival)
-        self.reqs[req_id] = req
-        self.sched.add_request(req)
-        return req
-
-    def step(self) -> SchedulerOutput:
-        out = self.sched.schedule()
-        for s in out.scheduled:
-            if s.samples:
-                req = self.reqs[s.request_id]
-                req.append_output_token(900 + req.num_output_tokens)
-                if req.num_output_tokens >= req.max_tokens:
-                    self.sched.finish(req, RequestStatus.FINISHED_LENGTH)
-        return out
-
-    def assert_all_free(self) -> None:
-        assert self.kv.num_free_blocks == self.kv.block_pool.num_total_usable == 6
-        assert self.swap.num_free_blocks == self.swap.num_total_usable
-        assert not self.sched.has_work()
-        assert all(b.ref_cnt == 0 for b in self.swap.pool.blocks)
-
-
-def rows(out: SchedulerOutput) -> list[tuple[str, int, int, list[int]]]:
-    return [(s.request_id, s.start_pos, s.num_new_tokens, list(s.block_ids)) for s in out.scheduled]
 
 
 def run_to_swap(sim: SwapSim, a_max: int = 7, b_max: int = 14) -> SchedulerOutput:
-    a = sim.add("a", 100, a_max, 0.0)
-    b = sim.add("b", 200, b_max, 1.0)
+    a = sim.add("a", list(range(100, 107)), a_max, 0.0)
+    b = sim.add("b", list(range(200, 207)), b_max, 1.0)
     assert rows(sim.step()) == [("a", 0, 7, [1, 2]), ("b", 0, 7, [3, 4])]
     sim.step()
     assert rows(sim.step()) == [("a", 8, 1, [1, 2, 5]), ("b", 8, 1, [3, 4, 6])]
@@ -82,10 +44,12 @@ def test_swap_out_then_in_without_recompute() -> None:
     assert sim.reqs["a"].is_finished
     assert [blk.block_id for blk in sim.kv.block_pool.free_block_queue.get_all_free_blocks()] == [4, 3, 6, 5, 2, 1]
     out = sim.step()
-    # b resumes at position 12 in four new blocks: its three blocks come back from the host, nothing recomputed
+    # b resumes at position 12 in four new blocks: its three blocks come back from the host, nothing recomputed;
+    # a's full block 5 is evicted for it and written back to the prefix tier (b's own evicted blocks are
+    # already there, cached when swapped out)
     assert rows(out) == [("b", 12, 1, [4, 3, 6, 5])]
-    assert out.blocks_to_swap_in == [(1, 4), (2, 3), (3, 6)] and out.blocks_to_swap_out == []
-    assert b.status == RequestStatus.RUNNING and sim.swap.num_free_blocks == 8
+    assert out.blocks_to_swap_in == [(1, 4), (2, 3), (3, 6)] and out.blocks_to_swap_out == [(5, 4)]
+    assert b.status == RequestStatus.RUNNING and sim.swap.num_free_blocks == 8 and sim.swap.num_written_back_blocks == 1
     assert sim.swap.num_swapped_out_blocks == sim.swap.num_swapped_in_blocks == 3
     while sim.sched.has_work():
         sim.step()
@@ -96,7 +60,7 @@ def test_swap_out_then_in_without_recompute() -> None:
 def test_no_waiting_request_admitted_while_one_is_swapped_out() -> None:
     sim = SwapSim()
     run_to_swap(sim, a_max=14)
-    sim.add("c", 300, 2, 2.0)
+    sim.add("c", list(range(300, 307)), 2, 2.0)
     out = sim.step()  # a decodes in its fourth block; b cannot come back (needs 4, 0 free): c waits too
     assert rows(out) == [("a", 13, 1, [1, 2, 5, 6])]
     assert sim.sched.num_swapped == 1 and sim.sched.num_waiting == 1
@@ -149,7 +113,9 @@ def test_preemption_rule(mode: str | None, min_tokens: int, host_blocks: int, sw
         assert b.status == RequestStatus.SWAPPED and out.blocks_to_swap_out == [(3, 1), (4, 2), (6, 3)]
     else:
         assert b.status == RequestStatus.PREEMPTED and b.num_computed_tokens == 0
-        assert out.blocks_to_swap_out == [] and sim.sched.num_swapped == 0
+        assert sim.sched.num_swapped == 0 and sim.swap.host_block_ids("b") == []
+        # not a swap: only b's full block 6, evicted for a, is written back to the prefix tier
+        assert out.blocks_to_swap_out == [(6, 1)]
         assert [r.request_id for r in sim.sched.waiting] == ["b"]
     while sim.sched.has_work():
         sim.step()
@@ -166,7 +132,8 @@ def test_swap_space_pool_accounting() -> None:
     with pytest.raises(ValueError):
         swap.swap_out("y", [1, 2, 5])  # 2 free host blocks
     assert swap.swap_in("x", [9, 4, 8]) == [(1, 9), (2, 4)]
-    assert swap.num_free_blocks == 4
+    assert swap.num_free_blocks == 2  # until the step's plan is made: its copies read them
+    assert swap.take_copies() == ([], []) and swap.num_free_blocks == 4
     swap.free("x")  # not swapped: a no-op
     with pytest.raises(ValueError):
         SwapSpace(5, 4, "sometimes")
