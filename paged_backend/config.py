@@ -71,7 +71,8 @@ class EngineConfig(BaseModel):
         if self.preemption_mode == "swap" and self.swap_space <= 0:
             raise ValueError("preemption_mode 'swap' needs swap_space > 0 (GiB of host memory for the blocks)")
         if self.swap_space > 0 and self.speculative_config is not None and self.speculative_config.method == "draft_model":
-            raise ValueError("swap_space is not supported with a draft model (its cache has no host tier)")
+            raise ValueError("swap_space is not supported with speculative_config method 'draft_model' (the draft "
+                             "model's KV cache has no host tier)")
         if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
             if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(
