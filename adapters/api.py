@@ -171,7 +171,7 @@ class EngineAdapter:
             raise self._load_error
 
     def _load(self) -> None:
-        if self.config.engine_core_process:  # the engine steps in a process of its own
+        if self.config.engine_core_process or self.config.engine_core_shared:  # the engine steps in a process of its own
             from paged_backend.engine.core_client import EngineCoreClient as engine_class
         else:
             from paged_backend.engine.async_engine import AsyncEngine as engine_class

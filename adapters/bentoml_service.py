@@ -6,6 +6,11 @@ OpenAI app at ``/v1`` and decorates its class with ``service_config(args)``. Not
 loads a model: BentoML's parent process imports the service module too, and only the
 worker's ``__init__`` starts the engine (in the background, so the port answers and
 ``/readyz`` says 503 until the model is loaded).
+
+With ``workers`` > 1 (``--arg workers=2``) every worker is a thin front end (HTTP, OpenAI layer,
+tokenizer) and the model loads once: the engine steps in one shared engine core process
+(``engine_core_shared``), started by the first worker and attached to by the others; it exits when
+the last worker has stopped.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ class ServeArgs(EngineConfig, ServingOptions):
 
     service_name: str = Field(SERVICE_DEFAULT_NAME, description="the BentoML service name")
     gpu_type: str | None = Field(None, description="BentoCloud GPU type, e.g. nvidia-h100-80gb")
+    workers: int = Field(1, ge=1, description="BentoML worker processes; more than 1: front ends of one shared "
+                         "engine core process (the model loads once)")
     timeout: int = Field(900, ge=1, description="seconds to the first byte of a response")
     max_concurrency: int | None = Field(None, ge=1, description="requests admitted at once (None: no cap)")
     drain_timeout: float = Field(30.0, ge=0.0, description="seconds on shutdown for in-flight requests")
@@ -40,7 +47,11 @@ class ServeArgs(EngineConfig, ServingOptions):
                                 "endpoints (a span per streamed chunk; off: those URLs are excluded)")
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
+        """The engine's options; several workers share one engine core process."""
+        config = EngineConfig(**self.model_dump(include=set(EngineConfig.model_fields)))
+        if self.workers > 1 and not config.engine_core_shared:
+            config = config.model_copy(update={"engine_core_shared": True})
+        return config
 
     def wants_gpu(self) -> bool:
         """GPU resources are requested where the engine will use CUDA."""
@@ -63,7 +74,7 @@ STREAMING_URLS = (r"/v1/completions$", r"/v1/chat/completions$", r"/generate$")
 
 
 def service_config(args: ServeArgs) -> dict[str, Any]:
-    """Keyword arguments for ``@bentoml.service``: one worker holding the engine, long timeouts.
+    """Keyword arguments for ``@bentoml.service``: ``workers`` front ends (one engine), long timeouts.
 
     Unless ``trace_streams`` (``--arg trace_streams=true``), the streaming endpoints are left
     out of BentoML's tracing (``tracing.excluded_urls``; BentoML still traces every other URL).
@@ -78,7 +89,7 @@ def service_config(args: ServeArgs) -> dict[str, Any]:
             resources["gpu_type"] = args.gpu_type
     config: dict[str, Any] = {
         "name": args.service_name,
-        "workers": 1,
+        "workers": args.workers,
         "traffic": traffic,
         "resources": resources,
         "labels": {"openai_endpoint": "/v1", "engine": "paged-backend", "model": args.name},

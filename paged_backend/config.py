@@ -65,6 +65,10 @@ class EngineConfig(BaseModel):
     engine_core_process: bool = Field(False, description="step the engine in a process of its own, fed over a pipe, "
                                       "so the serving process's event loop and the engine loop do not share a GIL "
                                       "(default: a thread of the serving process)")
+    engine_core_shared: bool = Field(False, description="one engine core process for every front-end process of "
+                                     "this configuration and GPU set (BentoML workers > 1, Triton instance_group "
+                                     "count > 1): the first starts it, the others attach; implies "
+                                     "engine_core_process")
 
     @model_validator(mode="after")
     def _check(self) -> EngineConfig:

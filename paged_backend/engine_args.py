@@ -76,6 +76,8 @@ _ENGINE_BOOLS: dict[str, tuple[str, bool, str]] = {
     "--engine-core-process": ("engine_core_process", True, "step the engine in a process of its own (serving: "
                               "the HTTP front end and the engine loop then do not share a GIL; default: a "
                               "thread of the serving process)"),
+    "--engine-core-shared": ("engine_core_shared", True, "one engine core process shared by every front-end "
+                             "process of this configuration (the first starts it, the others attach)"),
 }
 
 

@@ -93,9 +93,9 @@ def stop(server: Server, timeout: float = 60) -> bool:
 
 
 @contextlib.contextmanager
-def serving(tmp: Path, args: Mapping[str, object]) -> Iterator[Server]:
+def serving(tmp: Path, args: Mapping[str, object], *, env: Mapping[str, str] | None = None) -> Iterator[Server]:
     """A ready ``bentoml serve`` for the block's duration, stopped by SIGTERM after it (asserted)."""
-    srv = start(tmp, args)
+    srv = start(tmp, args, env=env)
     try:
         yield wait_ready(srv)
     finally:

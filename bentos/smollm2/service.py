@@ -8,6 +8,7 @@ available. Engine options arrive as bento arguments with vLLM's names:
 from __future__ import annotations
 
 import asyncio
+import os
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -39,7 +40,8 @@ image = (
 @bentoml.asgi_app(openai_app, path="/v1")
 @bentoml.service(**service_config(args), image=image)
 class PagedLLM:
-    """One engine per worker process; the model loads in the background after start."""
+    """One front end per worker process; the model loads in the background after start (with
+    ``--arg workers=N``, N > 1, once: the workers share one engine core process)."""
 
     def __init__(self) -> None:
         show_engine_logs()  # the engine's start-up and throughput lines in the server log, as vllm serve
@@ -75,8 +77,10 @@ class PagedLLM:
 
     @bentoml.api
     def stats(self) -> dict[str, Any]:
-        """Engine counters: running / waiting requests, KV-cache blocks, token totals."""
-        return {**self.adapter.stats(), **{"model": self.adapter.model_info(with_path=args.expose_model_path)}}
+        """Engine counters: running / waiting requests, KV-cache blocks, token totals; the worker's pid (and
+        the engine core's, ``model.engine_core_pid``, in engine core process mode)."""
+        return {**self.adapter.stats(), "worker_pid": os.getpid(),
+                "model": self.adapter.model_info(with_path=args.expose_model_path)}
 
     @bentoml.on_shutdown
     async def shutdown(self) -> None:

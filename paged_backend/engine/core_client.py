@@ -8,10 +8,19 @@ engine loop no longer share one GIL. Requests are tokenized and validated here, 
 onto the pipe, and a reader thread puts each step's outputs into the request streams, adding
 back the prompt and its token ids the core leaves out of them.
 
+A private core (``engine_core_process``) is this front end's child, fed over a pipe. A shared core
+(``engine_core_shared``: BentoML ``workers`` > 1, Triton ``instance_group`` count > 1) serves every front
+end of one configuration and GPU set: ``attach_shared_core`` takes the run directory's lock
+(``CorePaths``: ``core-<key>.lock``, ``.sock``, ``.key`` under ``run_dir()``), connects to the core's
+socket, or starts the core (``python -m paged_backend.engine.core_process``) when none answers and
+connects once it has loaded the model; the lock makes the others wait and then attach. The core keys
+requests by (front end, request id) and exits after its last front end has detached.
+
 A core process that dies (killed, crashed, or its loop raised) fails every open request with
-``EngineDeadError`` as soon as the pipe closes, and every later one; ``is_dead`` turns true.
-``shutdown`` (also at interpreter exit) stops the process: asked through the pipe, killed if it
-has not stopped in ``STOP_WAIT_S``.
+``EngineDeadError`` as soon as the connection closes, and every later one; ``is_dead`` turns true
+(in every front end of a shared core). ``shutdown`` (also at interpreter exit) stops a private core:
+asked through the pipe, killed if it has not stopped in ``STOP_WAIT_S``; from a shared core it detaches
+(the core aborts this front end's requests, frees their blocks, and exits if no front end is left).
 """
 
 from __future__ import annotations
@@ -19,13 +28,23 @@ from __future__ import annotations
 import atexit
 import collections
 import dataclasses
+import fcntl
+import hashlib
 import itertools
 import logging
 import multiprocessing
+import os
+import pickle
 import queue
 import signal
+import subprocess
+import sys
+import tempfile
 import threading
-from multiprocessing.connection import wait
+import time
+from multiprocessing.connection import Client, Connection, wait
+from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,6 +62,130 @@ from paged_backend.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 STOP_WAIT_S = 10.0  # shutdown: how long the core gets to stop by itself before it is killed
+ATTACH_WAIT_S = 60.0  # attaching to a running shared core: how long it may take to adopt us
+RUN_DIR_ENV = "PAGED_BACKEND_RUN_DIR"
+
+
+def run_dir() -> Path:
+    """Where shared cores keep their socket, key and lock: ``$PAGED_BACKEND_RUN_DIR``, else
+    ``$XDG_RUNTIME_DIR/paged-backend``, else ``<tmp>/paged-backend-<uid>`` (made private to this user)."""
+    path = os.environ.get(RUN_DIR_ENV)
+    if not path:
+        xdg = os.environ.get("XDG_RUNTIME_DIR")
+        path = os.path.join(xdg, "paged-backend") if xdg else os.path.join(tempfile.gettempdir(),
+                                                                            f"paged-backend-{os.getuid()}")
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    return Path(path)
+
+
+@dataclasses.dataclass(frozen=True)
+class CorePaths:
+    """A shared core's files in the run directory, named by the key of its configuration."""
+
+    lock: Path  # held while a front end starts or attaches, and by the core when it exits
+    socket: Path  # the core's Unix socket (present while it serves)
+    authkey: Path  # the connection key (mode 0600)
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> CorePaths:
+        """One core per configuration and GPU set: front ends whose engine options and visible devices are
+        the same share it."""
+        text = config.model_dump_json(exclude_defaults=True) + "|" + os.environ.get("CUDA_VISIBLE_DEVICES", "*")
+        base = run_dir() / f"core-{hashlib.sha256(text.encode()).hexdigest()[:16]}"
+        return cls(base.with_suffix(".lock"), base.with_suffix(".sock"), base.with_suffix(".key"))
+
+
+def attach_shared_core(config: EngineConfig) -> tuple[Connection, subprocess.Popen | None, CoreStarted]:
+    """Connect to the shared core of ``config``, starting it first when none serves (the Popen is returned
+    then). Under the run directory's lock: one front end starts the core, the others wait and attach."""
+    paths = CorePaths.of(config)
+    with open(paths.lock, "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        try:
+            conn = Client(str(paths.socket), family="AF_UNIX", authkey=paths.authkey.read_bytes())
+        except (FileNotFoundError, ConnectionRefusedError):  # none, or a stale socket of a core that died
+            conn = None
+        if conn is not None:
+            try:  # it adopts us between two engine steps
+                if not conn.poll(ATTACH_WAIT_S):
+                    raise EngineDeadError(f"the engine core at {paths.socket} did not answer in {ATTACH_WAIT_S:.0f}s")
+                started = conn.recv()
+                if isinstance(started, CoreStarted):
+                    logger.info("attached to engine core %d (%s) as front end %d", started.pid, paths.socket,
+                                started.client_id)
+                    return conn, None, started
+            except (EOFError, OSError):  # it died just now: start another
+                pass
+            conn.close()
+        return _start_shared_core(config, paths)
+
+
+def _start_shared_core(config: EngineConfig, paths: CorePaths) -> tuple[Connection, subprocess.Popen, CoreStarted]:
+    authkey = os.urandom(32)
+    fd = os.open(paths.authkey, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(authkey)
+    paths.socket.unlink(missing_ok=True)
+    # its own session: a terminal's signals stay with the front ends, which drain and then detach
+    proc = subprocess.Popen([sys.executable, "-m", "paged_backend.engine.core_process"], stdin=subprocess.PIPE,
+                            start_new_session=True)
+    assert proc.stdin is not None
+    proc.stdin.write(pickle.dumps((config, str(paths.socket), authkey, str(paths.lock))))
+    proc.stdin.close()
+    logger.info("started engine core %d (%s)", proc.pid, paths.socket)
+    try:
+        conn = None
+        while conn is None:  # it listens before it loads the model
+            if proc.poll() is not None:
+                raise EngineDeadError(f"the engine core process {_exit_text(proc.returncode)} while starting")
+            try:
+                conn = Client(str(paths.socket), family="AF_UNIX", authkey=authkey)
+            except (FileNotFoundError, ConnectionRefusedError):
+                time.sleep(0.05)
+        try:
+            msg = conn.recv()  # after the model has loaded
+        except (EOFError, OSError):
+            msg = None
+        if isinstance(msg, CoreStarted):
+            return conn, proc, msg
+        conn.close()
+        if isinstance(msg, BaseException):
+            raise msg
+        proc.wait(5.0)
+        raise EngineDeadError(f"the engine core process {_exit_text(proc.poll())} while starting")
+    except BaseException:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        raise
+
+
+def _pid_gone(pid: int) -> bool:
+    """No such process, or only its zombie (exited, its parent has not reaped it yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except PermissionError:
+            pass
+        return False
+
+
+def _exit_text(code: int | None) -> str:
+    if code is None:
+        return "closed its connection"
+    if code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 class KVCapacity:
@@ -63,24 +206,36 @@ class EngineCoreClient(EngineFrontEnd):
     def __init__(self, config: EngineConfig | None = None, **engine_args: Any) -> None:
         super().__init__()
         self.config = config or EngineConfig(**engine_args)
-        ctx = multiprocessing.get_context("spawn")
-        self._conn, child = ctx.Pipe(duplex=True)
-        # not a daemon: a tensor-parallel core spawns its own workers (shutdown / atexit stop it)
-        self._proc = ctx.Process(target=run_engine_core, args=(self.config, child), name="paged-backend-core")
-        self._proc.start()
-        child.close()  # ours closed: the pipe reads EOF once the core is gone
         self._closing = False
         self._dead: str | None = None
         self._acks: dict[int, threading.Event] = {}  # abort / state query id -> set when the core answered
         self._ack_values: dict[int, Any] = {}
         self._ack_ids = itertools.count()
         self._prompts: dict[str, tuple[str | None, list[int]]] = {}  # requests in the core: what outputs carry
+        self._conn: Connection | None = None
+        # the core process when this front end started it: a multiprocessing child (private) or a Popen (shared)
+        self._proc: BaseProcess | subprocess.Popen | None = None
         atexit.register(self.shutdown)
         try:
-            self._start_front_end(self._wait_started())
+            if self.config.engine_core_shared:
+                self._conn, self._proc, started = attach_shared_core(self.config)
+            else:
+                started = self._spawn_private_core()
+            self._core_pid = started.pid
+            self._client_id = started.client_id
+            self._start_front_end(started)
         except BaseException:
             self.shutdown()
             raise
+
+    def _spawn_private_core(self) -> CoreStarted:
+        ctx = multiprocessing.get_context("spawn")
+        self._conn, child = ctx.Pipe(duplex=True)
+        # not a daemon: a tensor-parallel core spawns its own workers (shutdown / atexit stop it)
+        self._proc = ctx.Process(target=run_engine_core, args=(self.config, child), name="paged-backend-core")
+        self._proc.start()
+        child.close()  # ours closed: the pipe reads EOF once the core is gone
+        return self._wait_started()
 
     def _start_front_end(self, started: CoreStarted) -> None:
         """Once the core is up: this process's tokenizer and input checks, then the pipe's threads."""
@@ -104,13 +259,18 @@ class EngineCoreClient(EngineFrontEnd):
     # -- adapter API -------------------------------------------------------------------
 
     @property
-    def pid(self) -> int | None:
+    def pid(self) -> int:
         """The core process's id."""
-        return self._proc.pid
+        return self._core_pid
+
+    @property
+    def client_id(self) -> int:
+        """This front end's id in the core (its request ids are namespaced by it there)."""
+        return self._client_id
 
     @property
     def is_ready(self) -> bool:
-        return not self._closing and self._dead is None and self._proc.is_alive()
+        return not self._closing and self._dead is None
 
     @property
     def dead_reason(self) -> str | None:
@@ -142,22 +302,39 @@ class EngineCoreClient(EngineFrontEnd):
         return self._ack_values.pop(ack)
 
     def shutdown(self, timeout: float = STOP_WAIT_S) -> None:
-        """Stop the core process (asked, then killed); pending requests end with an error."""
+        """Stop a private core (asked, then killed) or detach from a shared one (it stops after its last
+        front end); this front end's pending requests end with an error."""
         if self._closing:
             return
+        ack, done = self._new_ack()
         self._closing = True
         atexit.unregister(self.shutdown)
         sender = getattr(self, "_sender", None)
         running = sender is not None and sender.is_alive()
+        remaining = 0
         if running:
-            self._outbox.put(("shutdown",))
+            self._outbox.put(("shutdown", ack))
             self._outbox.put(None)
             sender.join(timeout)
-        self._proc.join(timeout if running else 1.0)
-        if self._proc.exitcode is None:  # it ignores SIGTERM (see core_process.py)
-            self._proc.kill()
-            self._proc.join(5.0)
-        self._conn.close()
+            if done.wait(timeout):  # answered before the core closed our connection
+                remaining = self._ack_values.pop(ack, {}).get("num_clients", 0)
+        proc = self._proc
+        if isinstance(proc, BaseProcess):  # private: it stops now
+            proc.join(timeout if running else 1.0)
+            if proc.exitcode is None:  # it ignores SIGTERM (see core_process.py)
+                proc.kill()
+                proc.join(5.0)
+        elif proc is not None:  # shared, started here: it stops when its last front end has gone
+            if remaining == 0:
+                try:
+                    proc.wait(timeout if running else 1.0)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(5.0)
+            else:  # others still use it: reap it once it exits
+                threading.Thread(target=proc.wait, name="paged-backend-core-reap", daemon=True).start()
+        if self._conn is not None:
+            self._conn.close()
         self._fail_all(EngineDeadError("the engine was shut down"))
         self._release_acks()
         self._input_pool.shutdown(wait=False, cancel_futures=True)
@@ -210,19 +387,31 @@ class EngineCoreClient(EngineFrontEnd):
                 return msg
             if isinstance(msg, BaseException):
                 raise msg
-        self._proc.join(5.0)
+        self._join_core(5.0)
         raise EngineDeadError(f"the engine core process {self._exit_text()} while starting")
 
     def _exit_text(self) -> str:
-        code = self._proc.exitcode
-        if code is None:
-            return "closed its pipe"
-        if code < 0:
+        proc = self._proc
+        if proc is None:  # attached to a core another front end started: its exit status is not ours to read
+            deadline = time.monotonic() + 1.0
+            while not _pid_gone(self._core_pid):
+                if time.monotonic() > deadline:
+                    return f"(pid {self._core_pid}) closed its connection"
+                time.sleep(0.02)
+            return f"(pid {self._core_pid}) is gone"
+        code = proc.exitcode if isinstance(proc, BaseProcess) else proc.poll()
+        return "closed its pipe" if code is None else _exit_text(code)
+
+    def _join_core(self, timeout: float) -> None:
+        """Wait (briefly) for a core this front end started to exit, so its exit status can be told."""
+        proc = self._proc
+        if isinstance(proc, BaseProcess):
+            proc.join(timeout)
+        elif proc is not None:
             try:
-                return f"was killed by signal {signal.Signals(-code).name}"
-            except ValueError:
-                return f"was killed by signal {-code}"
-        return f"exited with code {code}"
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
 
     def _send_loop(self) -> None:
         """Sender thread: every command queued since the last send goes in one message."""
@@ -264,7 +453,7 @@ class EngineCoreClient(EngineFrontEnd):
         if self._closing:
             return
         if reason is None:
-            self._proc.join(2.0)
+            self._join_core(2.0)
             reason = f"the engine core process {self._exit_text()}"
         logger.error("%s: failing every request", reason)
         self._dead = reason
@@ -273,8 +462,9 @@ class EngineCoreClient(EngineFrontEnd):
         self._release_acks()
 
     def _on_outputs(self, msg: CoreOutputs) -> None:
-        with self._lock:
-            self._stats = msg.stats  # first: a caller that sees its final output sees its counts
+        if msg.stats:  # a dying core's last message has none
+            with self._lock:
+                self._stats = msg.stats  # first: a caller that sees its final output sees its counts
         self._step_tokens.extend(msg.step_tokens)
         prompts = self._prompts
         for rid, exc in msg.errors:

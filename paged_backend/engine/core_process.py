@@ -1,30 +1,46 @@
-"""The engine core process: ``LLMEngine`` stepped in a process of its own, fed over a pipe.
+"""The engine core process: ``LLMEngine`` stepped in a process of its own, serving one or several front ends.
 
-``EngineCoreClient`` (``core_client.py``) spawns ``run_engine_core`` and talks to it over one
-duplex ``multiprocessing`` pipe (pickled messages):
+Two ways to reach it (``EngineCoreClient``, ``core_client.py``):
+
+- private (``engine_core_process``): the front end spawns ``run_engine_core`` (``multiprocessing``) and
+  talks to it over one duplex pipe; the core serves that front end alone and exits with it.
+- shared (``engine_core_shared``): the first front end of a configuration starts ``serve_engine_core``
+  (``python -m paged_backend.engine.core_process``, the spec on stdin) and every front end of that
+  configuration (itself included: BentoML workers, Triton model instances) attaches to its Unix socket
+  (a ``multiprocessing`` Listener, an authentication key shared through the run directory). The core
+  exits when its last front end detaches (``core_client.py`` has the run directory and its lock).
+
+Each connection is one client with an id; the core keys its requests ``"<client id>:<request id>"`` (two
+front ends may use the same request id) and sends each client its own requests' outputs. Messages:
 
     front end -> core   a list of commands per send (the client's sender thread batches them):
                         ("add", PreparedRequest) | ("abort", request_id, ack) | ("state", ack)
-                        | ("shutdown",)
+                        | ("shutdown", ack)   (private: stop; shared: detach this client)
     core -> front end   CoreStarted once (or the start-up exception), then one CoreOutputs per loop
-                        iteration that did anything: every request's deltas of that engine step
+                        iteration that did anything: the client's requests' deltas of that engine step
                         (without the prompt and its token ids, which the front end adds back),
                         the stats snapshot, the step token counts, acknowledgements, refusals
 
-An abort frees the request's blocks before its acknowledgement is sent. The core exits on
-"shutdown", or when the front end's end of the pipe closes (the front-end process is gone);
-an exception in the loop is reported in a last CoreOutputs (``dead``) before it exits. It
-ignores SIGINT and SIGTERM: those reach it with its front end (a terminal's process group,
+An abort frees the request's blocks before its acknowledgement is sent. A client whose connection
+closes (its process is gone) or that detaches has every request it still had aborted at once, blocks
+freed. An exception in the loop is reported to every client in a last CoreOutputs (``dead``) before the
+core exits. It ignores SIGINT and SIGTERM: those reach it with its front end (a terminal's process group,
 a server stopping a worker's process tree), which drains its requests first.
 """
 
 from __future__ import annotations
 
+import fcntl
+import itertools
 import logging
+import os
 import pickle
+import queue
 import signal
+import sys
+import threading
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
 
 from paged_backend.config import EngineConfig
@@ -35,18 +51,23 @@ from paged_backend.sample.grammar import SerializedGrammar
 
 logger = logging.getLogger(__name__)
 
+EXIT_RETRY_S = 0.05  # shared core without clients: how often it retries the run directory's lock to exit
+
 
 @dataclass
 class CoreStarted:
-    """The core's first message: what the front end needs to validate requests and answer introspection."""
+    """The core's first message to a client: what the front end needs to validate requests and answer
+    introspection, and who it is to the core."""
 
     model_info: dict
     stats: dict
+    pid: int = 0
+    client_id: int = 0
 
 
 @dataclass
 class CoreOutputs:
-    """One loop iteration of the core: ``outputs`` of every request for the step (at most one step)."""
+    """One loop iteration of the core for one client: ``outputs`` of its requests for the step (at most one)."""
 
     outputs: list[RequestOutput] = field(default_factory=list)
     stats: dict = field(default_factory=dict)
@@ -54,6 +75,16 @@ class CoreOutputs:
     acks: list[tuple[int, Any]] = field(default_factory=list)  # (ack id, value) of aborts and state queries
     errors: list[tuple[str, BaseException]] = field(default_factory=list)  # (request id, why it was refused)
     dead: str | None = None  # the loop died: why
+
+
+@dataclass(eq=False)
+class CoreClient:
+    """The core's side of one front end: its connection, its requests (core ids), what it is owed."""
+
+    cid: int
+    conn: Connection
+    requests: set[str] = field(default_factory=set)
+    pending: CoreOutputs = field(default_factory=CoreOutputs)
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -65,14 +96,18 @@ def portable(exc: BaseException) -> BaseException:
         return RuntimeError(repr(exc))
 
 
-def run_engine_core(config: EngineConfig, conn: Connection) -> None:
-    """Entry point of the spawned core process."""
+def _core_process_setup() -> None:
     # Ctrl-C in a terminal and a server's SIGTERM to its worker's whole process tree (BentoML's circus
-    # does that) are the front end's to act on: it drains, then stops the core through the pipe.
+    # does that) are the front ends' to act on: they drain, then detach or stop the core.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(format="%(asctime)s %(levelname)s %(name)s [engine core] %(message)s")
     logging.getLogger("paged_backend").setLevel(logging.INFO)  # its start-up and throughput lines
+
+
+def run_engine_core(config: EngineConfig, conn: Connection) -> None:
+    """Entry point of a private core process (spawned by its one front end, fed over ``conn``)."""
+    _core_process_setup()
     try:
         engine = LLMEngine(config)
     except BaseException as exc:
@@ -80,82 +115,268 @@ def run_engine_core(config: EngineConfig, conn: Connection) -> None:
         conn.send(portable(exc))
         return
     try:
-        conn.send(CoreStarted(engine.model_info(), engine.get_stats()))
+        core = EngineCore(engine)
+        core.adopt(conn)
         with frozen_heap():  # the loop runs for the engine's life: collections skip the start-up heap
-            EngineCore(engine, conn).run()
-    except (EOFError, OSError):  # the front end is gone
-        pass
+            core.run()
     finally:
         engine.shutdown()  # tensor-parallel workers
 
 
-class EngineCore:
-    """The core's loop: read commands, step, send the step's outputs."""
+def serve_engine_core(config: EngineConfig, address: str, authkey: bytes, lock_path: str) -> None:
+    """Entry point of a shared core: listen on ``address`` (a Unix socket) before loading the model, serve
+    every front end that attaches, exit once the last one has gone (under the run directory's lock, so a
+    front end attaching then starts a new core instead of reaching a closing one)."""
+    _core_process_setup()
+    listener = Listener(address, family="AF_UNIX", authkey=authkey)
+    acceptor = Acceptor(listener)
+    try:
+        engine = LLMEngine(config)
+    except BaseException as exc:
+        logger.exception("the engine core failed to start")
+        listener.close()
+        for conn in acceptor.take():  # the front end that started it waits for this answer
+            conn.send(portable(exc))
+        return
+    try:
+        core = EngineCore(engine, acceptor=acceptor, lock_path=lock_path)
+        logger.info("engine core %d serving front ends at %s", os.getpid(), address)
+        with frozen_heap():
+            core.run()
+    finally:
+        listener.close()
+        engine.shutdown()
 
-    def __init__(self, engine: LLMEngine, conn: Connection) -> None:
+
+class Acceptor:
+    """Accepts front ends' connections on a thread; the core's loop adopts them (``take``), woken through a pipe."""
+
+    def __init__(self, listener: Listener) -> None:
+        self.listener = listener
+        self.accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
+        self.wake_r, self.wake_w = os.pipe()
+        os.set_blocking(self.wake_r, False)
+        threading.Thread(target=self._accept_loop, name="paged-backend-core-accept", daemon=True).start()
+
+    def _accept_loop(self) -> None:
+        while True:
+            try:
+                conn = self.listener.accept()
+            except OSError:  # closed: the core is exiting
+                return
+            except Exception:  # a connection that failed authentication: not a front end
+                logger.warning("refused a connection to the engine core", exc_info=True)
+                continue
+            self.accepted.put(conn)
+            os.write(self.wake_w, b"\0")
+
+    def take(self) -> list[Connection]:
+        try:
+            while os.read(self.wake_r, 4096):
+                pass
+        except BlockingIOError:
+            pass
+        out = []
+        while True:
+            try:
+                out.append(self.accepted.get_nowait())
+            except queue.Empty:
+                return out
+
+
+class EngineCore:
+    """The core's loop: read every client's commands, step, send each client its part of the step."""
+
+    def __init__(self, engine: LLMEngine, *, acceptor: Acceptor | None = None, lock_path: str | None = None) -> None:
         self.engine = engine
-        self.conn = conn
-        self.pending = CoreOutputs()
+        self.acceptor = acceptor
+        self.lock_path = lock_path
+        self.clients: dict[int, CoreClient] = {}
+        self._by_conn: dict[Connection, CoreClient] = {}
+        self._ids = itertools.count()
+        self._changed = False  # a front end attached or left: every client gets the stats (engine_core_clients)
         self.stopped = False
 
+    def adopt(self, conn: Connection) -> None:
+        """A new front end: tell it who it is and what the engine is; from now on its commands are read."""
+        client = CoreClient(next(self._ids), conn)
+        info = {**self.engine.model_info(), "engine_core_pid": os.getpid()}
+        try:
+            conn.send(CoreStarted(info, self._stats(len(self.clients) + 1), os.getpid(), client.cid))
+        except OSError:  # gone already
+            conn.close()
+            return
+        self.clients[client.cid] = client
+        self._by_conn[conn] = client
+        self._changed = True
+        if self.acceptor is not None:
+            logger.info("front end %d attached (%d attached)", client.cid, len(self.clients))
+
     def run(self) -> None:
-        engine, conn = self.engine, self.conn
+        engine = self.engine
         try:
             while not self.stopped:
+                if not self.clients and not self._wait_for_clients():
+                    break
                 busy = engine.has_unfinished_requests()
-                if busy:
-                    while conn.poll(0):
-                        self._handle(conn.recv())
-                else:
-                    self._handle(conn.recv())  # idle: wait for a command
+                waitables: list[Any] = list(self._by_conn)
+                if self.acceptor is not None:
+                    waitables.append(self.acceptor.wake_r)
+                for ready in wait(waitables, 0 if busy else None):
+                    if isinstance(ready, int):
+                        for conn in self.acceptor.take():  # type: ignore[union-attr]
+                            self.adopt(conn)
+                    else:
+                        self._read(self._by_conn[ready])
                 if self.stopped:
                     break
                 if engine.has_unfinished_requests():
-                    self.pending.outputs += engine.step()
-                    self._send()
-                elif self.pending.acks or self.pending.errors or self.pending.outputs:
-                    self._send()
-        except (EOFError, OSError):  # the pipe: the front end is gone
-            raise
-        except BaseException as exc:  # report, then exit: the front end fails every request
+                    self._route(engine.step())
+                    self._send(everyone=True)
+                else:
+                    self._send(everyone=self._changed)
+        except BaseException as exc:  # report, then exit: the front ends fail every request
             logger.exception("engine core loop died")
-            self.pending.dead = f"the engine core loop died: {exc!r}"
-            self._send()
+            for client in list(self.clients.values()):
+                try:
+                    client.conn.send(CoreOutputs(outputs=client.pending.outputs, dead=f"the engine core loop died: "
+                                                 f"{exc!r}"))
+                except (OSError, ValueError):
+                    pass
 
-    def _send(self) -> None:
-        msg, self.pending = self.pending, CoreOutputs()
-        for out in msg.outputs:  # the front end has them (it prepared the request): not pickled every step
+    def _wait_for_clients(self) -> bool:
+        """No client: a private core is done; a shared one exits under the run directory's lock, unless a
+        front end attached meanwhile. True when there is a client to serve."""
+        if self.acceptor is None:
+            return False
+        with open(self.lock_path, "a+") as lock:  # type: ignore[arg-type]
+            while True:
+                for conn in self.acceptor.take():
+                    self.adopt(conn)
+                if self.clients:
+                    return True
+                try:
+                    fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except BlockingIOError:  # a front end is starting or attaching: let it (it waits for us)
+                    wait([self.acceptor.wake_r], EXIT_RETRY_S)
+                    continue
+                for conn in self.acceptor.take():  # attached before we held the lock
+                    self.adopt(conn)
+                if self.clients:
+                    fcntl.flock(lock, fcntl.LOCK_UN)
+                    return True
+                self.acceptor.listener.close()  # the socket file goes: the next front end starts a new core
+                logger.info("the last front end detached: the engine core exits")
+                return False  # the lock goes with the file
+
+    def _read(self, client: CoreClient) -> None:
+        conn = client.conn
+        try:
+            while conn.poll(0):
+                self._handle(client, conn.recv())
+                if client.cid not in self.clients:
+                    return
+        except (EOFError, OSError):  # the front end is gone
+            self._drop(client, "its connection closed")
+
+    def _drop(self, client: CoreClient, why: str) -> None:
+        """A front end is gone or detached: every request it had is aborted, blocks freed now."""
+        if self.clients.pop(client.cid, None) is None:
+            return
+        self._by_conn.pop(client.conn, None)
+        self._changed = True
+        for rid in list(client.requests):
+            self.engine.abort_request(rid)
+        if self.acceptor is not None or client.requests:
+            logger.info("front end %d detached (%s): %d request(s) aborted, %d front end(s) left", client.cid,
+                        why, len(client.requests), len(self.clients))
+        client.requests.clear()
+        client.conn.close()
+        if self.acceptor is None:
+            self.stopped = True  # a private core serves its one front end
+
+    def _route(self, outputs: list[RequestOutput]) -> None:
+        """A step's outputs to their clients, under the front end's request ids."""
+        clients = self.clients
+        for out in outputs:
+            cid, _, rid = out.request_id.partition(":")
+            client = clients.get(int(cid))
+            if client is None:
+                continue
+            if out.finished:
+                client.requests.discard(out.request_id)
+            out.request_id = rid
+            # the front end has them (it prepared the request): not pickled every step
             out.prompt, out.prompt_token_ids = None, []
-        msg.stats = self.engine.get_stats()  # with the outputs: a caller that sees its end sees its counts
-        msg.step_tokens = self.engine.stats.take_step_tokens()
-        self.conn.send(msg)
+            client.pending.outputs.append(out)
 
-    def _handle(self, commands: list[tuple]) -> None:
+    def _stats(self, num_clients: int | None = None) -> dict:
+        stats = self.engine.get_stats()
+        stats["engine_core_clients"] = len(self.clients) if num_clients is None else num_clients
+        return stats
+
+    def _send(self, *, everyone: bool) -> None:
+        """Each client's pending part (``everyone``: also those with nothing but the stats of a step)."""
+        stats, tokens = None, None
+        self._changed = False
+        for client in list(self.clients.values()):
+            msg = client.pending
+            if not (everyone or msg.outputs or msg.acks or msg.errors):
+                continue
+            if stats is None:  # with the outputs: a caller that sees its end sees its counts
+                stats, tokens = self._stats(), self.engine.stats.take_step_tokens()
+            client.pending = CoreOutputs()
+            msg.stats, msg.step_tokens = stats, tokens  # type: ignore[assignment]
+            try:
+                client.conn.send(msg)
+            except (OSError, ValueError):
+                self._drop(client, "its connection broke")
+
+    def _handle(self, client: CoreClient, commands: list[tuple]) -> None:
         for cmd in commands:
             kind = cmd[0]
             if kind == "add":
-                self._add(cmd[1])
+                self._add(client, cmd[1])
             elif kind == "abort":
-                final = self.engine.abort_request(cmd[1])  # its blocks are free now
+                rid = f"{client.cid}:{cmd[1]}"
+                final = self.engine.abort_request(rid)  # its blocks are free now
+                client.requests.discard(rid)
                 if final is not None:
-                    self.pending.outputs.append(final)
+                    self._route([final])
                 if cmd[2] is not None:
-                    self.pending.acks.append((cmd[2], None))
+                    client.pending.acks.append((cmd[2], None))
             elif kind == "state":
-                self.pending.acks.append((cmd[1], self.state()))
+                client.pending.acks.append((cmd[1], self.state()))
             elif kind == "shutdown":
-                self.stopped = True
+                ack = cmd[1] if len(cmd) > 1 else None
+                remaining = len(self.clients) - 1
+                if ack is not None:
+                    client.pending.acks.append((ack, {"num_clients": remaining}))
+                    self._send_one(client)
+                self._drop(client, "it detached")
+                return
 
-    def _add(self, prep: PreparedRequest) -> None:
+    def _send_one(self, client: CoreClient) -> None:
+        msg, client.pending = client.pending, CoreOutputs()
+        msg.stats = self._stats()
+        try:
+            client.conn.send(msg)
+        except (OSError, ValueError):
+            pass
+
+    def _add(self, client: CoreClient, prep: PreparedRequest) -> None:
+        rid = prep.request_id
         try:
             if isinstance(prep.grammar, SerializedGrammar):
                 prep.grammar = self.engine.inputs.load_grammar(prep.grammar)
+            prep.request_id = f"{client.cid}:{rid}"
             self.engine.add_prepared(prep)
+            client.requests.add(prep.request_id)
         except Exception as exc:  # e.g. an id reused between validation and now
-            self.pending.errors.append((prep.request_id, portable(exc)))
+            client.pending.errors.append((rid, portable(exc)))
 
     def state(self) -> dict:
-        """The block pool and queues as they are now (tests and debugging)."""
+        """The block pool, queues and clients as they are now (tests and debugging)."""
         engine = self.engine
         return {
             "num_free_blocks": engine.kv.num_free_blocks,
@@ -163,4 +384,19 @@ class EngineCore:
             "num_running": engine.scheduler.num_running,
             "num_waiting": engine.scheduler.num_waiting,
             "num_unfinished": len(engine.groups),
+            "num_clients": len(self.clients),
         }
+
+
+def main() -> None:
+    """``python -m paged_backend.engine.core_process``: a shared core; its spec (config, address, authkey,
+    lock path) is pickled on stdin by the front end that starts it."""
+    config, address, authkey, lock_path = pickle.load(sys.stdin.buffer)
+    sys.stdin.close()
+    serve_engine_core(config, address, authkey, lock_path)
+
+
+if __name__ == "__main__":  # run from the module's own name, so its messages unpickle in the front ends
+    from paged_backend.engine.core_process import main as _main
+
+    _main()

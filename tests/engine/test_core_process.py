@@ -4,12 +4,10 @@ the core's blocks at once, a killed core that fails every request within seconds
 from __future__ import annotations
 
 import asyncio
-import os
-import signal
-import time
 
 import psutil
 import pytest
+from core_kill import kill_core_under
 from paged_backend.adapters.api import AdapterError, EngineAdapter
 from smollm2 import PROMPTS, model_dir
 
@@ -152,24 +150,7 @@ def test_killed_core_fails_every_request_and_health():
     (pid,) = _core_children() - before
     assert adapter.is_alive and adapter.is_ready
 
-    async def consume(rid: str, prompt: str) -> BaseException | None:
-        try:
-            async for _ in adapter.generate(prompt, LONG, request_id=rid):
-                pass
-        except AdapterError as exc:
-            return exc
-        return None
-
-    async def main():
-        tasks = [asyncio.create_task(consume(f"k{i}", PROMPTS[i])) for i in range(3)]
-        while adapter.stats().get("num_running", 0) < 3:
-            await asyncio.sleep(0.05)
-        os.kill(pid, signal.SIGKILL)
-        t0 = time.monotonic()
-        errors = await asyncio.wait_for(asyncio.gather(*tasks), 10)
-        return errors, time.monotonic() - t0
-
-    errors, elapsed = asyncio.run(main())
+    errors, elapsed = asyncio.run(kill_core_under([(adapter, f"k{i}", PROMPTS[i]) for i in range(3)], pid, LONG))
     try:
         assert elapsed < 5
         assert all(e is not None and e.kind == "unavailable" for e in errors)
