@@ -29,7 +29,7 @@ from paged_backend.engine.draft_model import DraftModelProposer, load_draft_runn
 from paged_backend.engine.input_processor import InputProcessor, load_tokenizer, max_token_bytes, sample_id
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.parallel_sampling import ParallelSampling
-from paged_backend.engine.request_state import PreparedRequest
+from paged_backend.engine.request_state import PreparedRequest, Row
 from paged_backend.engine.spec_decoding import SpecDecoder, VerifiedStep
 from paged_backend.engine.stats import EngineStats
 from paged_backend.engine.step_sampling import LaunchedStep, StepSampler
@@ -206,7 +206,7 @@ class LLMEngine:
         else:
             samples = self.samples
             rows, index, forking = [samples[rid] for rid in out.sample_request_ids], None, []
-        results = self._finish(prev) if prev is not None else []
+        results = self._finish(prev, upcoming=(rows, out.logits)) if prev is not None else []
         if self.spec is not None:  # synchronous: drafts verified now, the next ones proposed
             self.spec.observe(sched)
             launched = LaunchedStep(sched, out, rows, forking)
@@ -226,11 +226,15 @@ class LLMEngine:
     def _launch_sampling(self, launched: LaunchedStep, index: list[int] | None) -> LaunchedStep:
         return self.step_sampler.launch(launched, index)
 
-    def _finish(self, launched: LaunchedStep, verified: VerifiedStep | None = None) -> list[RequestOutput]:
+    def _finish(self, launched: LaunchedStep, verified: VerifiedStep | None = None,
+                upcoming: tuple[list[Row], torch.Tensor] | None = None) -> list[RequestOutput]:
         """Append a sampled step's tokens: stop checks, detokenization, outputs, frees.
-        ``verified``: a speculative step's emitted tokens (rows repeat per token)."""
+        ``verified``: a speculative step's emitted tokens (rows repeat per token); ``upcoming``: the queued
+        step's rows and logits, whose grammar masks are filled meanwhile (structured outputs)."""
         if verified is None:
             rows, token_ids, logprobs = launched.rows, self.step_sampler.land(launched), None
+            if upcoming is not None:
+                self.step_sampler.prepare(*upcoming, rows, token_ids)
         else:
             rows, token_ids, logprobs = verified.rows, verified.token_ids, verified.logprobs
         if launched.out.prompt_logits:

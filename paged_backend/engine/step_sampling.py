@@ -8,13 +8,20 @@ A batch of plain greedy rows skips the sampler's per-row metadata (``Sampler.gre
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 import torch
 
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.engine.request_state import RequestGroup, Row
-from paged_backend.sample.grammar import RequestGrammar, apply_grammars
+from paged_backend.sample.grammar import (
+    RequestGrammar,
+    StagedMasks,
+    apply_grammars,
+    apply_masks,
+    fill_masks_ahead,
+)
 from paged_backend.sample.sampler import DeviceSample, Sampler, SamplerOutput, SamplingMetadata
 from paged_backend.worker.runner import ModelOutput
 
@@ -49,6 +56,9 @@ class StepSampler:
         # pinned landing buffers of sampled ids (int64) and of full-sampler results (float64)
         self._landing: dict[torch.dtype, torch.Tensor] = {}
         self.num_async_steps = 0  # steps sampled on the device and processed one step later
+        # structured outputs under async scheduling: the queued step's rows and their masks being filled
+        self._ahead: tuple[list[Row], Future[StagedMasks | None]] | None = None
+        self.num_masks_ahead = 0  # steps whose masks were filled while the step before was processed
 
     def launch(self, launched: LaunchedStep, index: list[int] | None) -> LaunchedStep:
         """Sample the step's rows (``index``: their logits rows when forks repeat some). Async:
@@ -84,11 +94,21 @@ class StepSampler:
             sample.request.num_pending = 1
         return launched
 
-    @staticmethod
-    def constrain(rows: list[Row], logits: torch.Tensor, index: list[int] | None
+    def constrain(self, rows: list[Row], logits: torch.Tensor, index: list[int] | None
                   ) -> tuple[torch.Tensor, list[int] | None]:
         """Structured outputs: the grammars' masks, in place, on the constrained rows' own logits
-        (the logits and index to sample from)."""
+        (the logits and index to sample from); filled ahead by ``prepare`` when it ran for these rows."""
+        ahead, self._ahead = self._ahead, None
+        if ahead is not None:
+            ahead_rows, future = ahead
+            staged = future.result()  # the matchers are the mask thread's until then
+            if ahead_rows is rows:
+                if staged is not None:
+                    if index is not None:
+                        logits, index = logits[torch.tensor(index, device=logits.device)], None
+                    apply_masks(logits, staged)
+                self.num_masks_ahead += 1
+                return logits, index
         constrained = [(i, s.grammar, s.request.output_token_ids) for i, (_, s) in enumerate(rows)
                        if s.grammar is not None and not s.request.is_finished] if RequestGrammar.live else ()
         if constrained:
@@ -96,6 +116,24 @@ class StepSampler:
                 logits, index = logits[torch.tensor(index, device=logits.device)], None
             apply_grammars(logits, constrained)
         return logits, index
+
+    def prepare(self, rows: list[Row], logits: torch.Tensor, landed: list[Row], token_ids: list[int]) -> None:
+        """Async scheduling: ``rows`` (the queued step's, over ``logits``) get their masks filled on the mask
+        thread now that ``landed``'s sampled ``token_ids`` are on the host, while the engine processes them."""
+        if not RequestGrammar.live:
+            return
+        new = {id(s): t for (_, s), t in zip(landed, token_ids, strict=True) if s.grammar is not None}
+        pending = []
+        for i, (_, s) in enumerate(rows):
+            g = s.grammar
+            if g is None or s.request.is_finished:
+                continue
+            tokens = list(s.request.output_token_ids[g.accepted:])
+            if id(s) in new:  # not in output_token_ids until the engine processes the landed step
+                tokens.append(new[id(s)])
+            pending.append((i, g, tokens))
+        if pending:
+            self._ahead = (rows, fill_masks_ahead(pending, logits.shape[1], logits.device))
 
     def land(self, launched: LaunchedStep) -> list[int]:
         """The step's sampled ids on the host (async: waits for them now)."""

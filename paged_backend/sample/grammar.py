@@ -15,7 +15,10 @@ sample's row (async scheduling gives it one more row, whose token is dropped) an
 are left unmasked. Logprobs then describe the masked distribution, as vLLM's do. A step fills its masks
 with xgrammar's BatchGrammarMatcher on ``FILL_THREADS`` threads (the host's per-row work is what a
 constrained step adds at small models), into pinned buffers whose copies to the device do not wait for the
-stream (``PINNED_STAGING``).
+stream (``PINNED_STAGING``). Under async scheduling the engine fills them ahead (``fill_masks_ahead``): as
+soon as a step's sampled ids reach the host, the mask thread has the matchers take them and fills the next
+step's masks while the engine thread processes the step's outputs; the sampling launch then only copies
+and applies them (``apply_masks``).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import json
 import re
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,12 +100,17 @@ class RequestGrammar:
         self.broken = False  # a token outside the grammar arrived (not sampled under its mask)
 
     def sync(self, output_token_ids: Sequence[int]) -> None:
-        for t in output_token_ids[self.accepted:]:
-            if self.broken or self._matcher.is_terminated():
+        """Takes the output tokens it has not seen yet."""
+        self.accept(output_token_ids[self.accepted:])
+
+    def accept(self, tokens: Sequence[int]) -> None:
+        """Takes ``tokens``, the sample's next output tokens."""
+        for t in tokens:
+            if not self.constrains:
                 break
             if not self._matcher.accept_token(int(t)):
                 self.broken = True
-        self.accepted = len(output_token_ids)
+        self.accepted += len(tokens)
 
     @property
     def constrains(self) -> bool:
@@ -135,8 +144,8 @@ class _MaskStaging:
 _staging: dict[torch.device, _MaskStaging] = {}
 
 
-FILL_THREADS = 4  # 0: one matcher after another; n: xgrammar's BatchGrammarMatcher on n threads
-PINNED_STAGING = True  # CUDA: masks staged in pinned buffers (packed rows); False: pageable, one row per logits row
+FILL_THREADS = 4  # 0: one matcher after another; n: xgrammar's BatchGrammarMatcher on n threads (and batch accepts)
+PINNED_STAGING = True  # CUDA: masks staged in reused pinned buffers; False: a fresh pageable buffer each step
 
 
 @functools.cache
@@ -146,44 +155,93 @@ def _batch_matcher(threads: int) -> Any:
     return xgr.BatchGrammarMatcher(max_threads=threads)
 
 
-def _fill(live: list[tuple[int, RequestGrammar]], mask: torch.Tensor, mask_rows: list[int]) -> None:
-    if FILL_THREADS and len(live) > 1:
-        _batch_matcher(FILL_THREADS).batch_fill_next_token_bitmask([g._matcher for _, g in live], mask,
-                                                                   indices=mask_rows)
+@functools.cache
+def _mask_thread() -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(1, thread_name_prefix="paged-backend-masks")
+
+
+@dataclass
+class StagedMasks:
+    """A step's filled masks, packed: ``mask`` row i belongs to logits row ``rows_of[i]``."""
+
+    rows_of: list[int]
+    mask: torch.Tensor  # int32 [>= len(rows_of), words] on the host
+    row_index: torch.Tensor  # int32 [>= len(rows_of)] on the host (the rows, for the device)
+    staging: _MaskStaging | None  # the pinned buffers they live in (CUDA)
+
+
+def accept_all(pending: Sequence[tuple[RequestGrammar, Sequence[int]]]) -> None:
+    """Each grammar takes its new tokens; one token each (a decode step) goes through xgrammar's batch
+    accept, one call for all of them."""
+    if not (FILL_THREADS and len(pending) > 1 and all(len(t) == 1 for _, t in pending)):
+        for grammar, tokens in pending:
+            grammar.accept(tokens)
+        return
+    import xgrammar as xgr
+
+    live = [(g, int(t[0])) for g, t in pending if g.constrains]
+    if live:
+        ok = xgr.BatchGrammarMatcher.batch_accept_token([g._matcher for g, _ in live], [t for _, t in live])
+        for (grammar, _), good in zip(live, ok, strict=True):
+            if not good:
+                grammar.broken = True
+    for grammar, tokens in pending:
+        grammar.accepted += len(tokens)
+
+
+def fill_masks(pending: Sequence[tuple[int, RequestGrammar, Sequence[int]]], vocab_size: int,
+               device: torch.device) -> StagedMasks | None:
+    """Each (logits row, grammar, its new output tokens) takes the tokens, then the rows still constrained get
+    their masks of allowed next tokens; None when no row is constrained. Host work only (no CUDA call): it may
+    run on the mask thread while the engine processes the step before."""
+    accept_all([(g, tokens) for _, g, tokens in pending])
+    live = [(row, g) for row, g, _ in pending if g.constrains]
+    if not live:
+        return None
+    n, words = len(live), (vocab_size + 31) // 32
+    staging = None
+    if device.type == "cuda" and PINNED_STAGING:
+        staging = _staging.setdefault(device, _MaskStaging())
+        mask, row_index = staging.buffers(n, words)
     else:
-        for (_, grammar), r in zip(live, mask_rows, strict=True):
-            grammar.fill(mask, r)
+        mask, row_index = torch.empty((n, words), dtype=torch.int32), torch.empty((n,), dtype=torch.int32)
+    if FILL_THREADS and n > 1:
+        _batch_matcher(FILL_THREADS).batch_fill_next_token_bitmask([g._matcher for _, g in live], mask,
+                                                                   indices=list(range(n)))
+    else:
+        for i, (_, grammar) in enumerate(live):
+            grammar.fill(mask, i)
+    rows_of = [row for row, _ in live]
+    row_index.numpy()[:n] = rows_of
+    return StagedMasks(rows_of, mask, row_index, staging)
+
+
+def fill_masks_ahead(pending: Sequence[tuple[int, RequestGrammar, Sequence[int]]], vocab_size: int,
+                     device: torch.device) -> Future[StagedMasks | None]:
+    """``fill_masks`` on the mask thread (xgrammar works outside the GIL): the caller overlaps its own work."""
+    return _mask_thread().submit(fill_masks, pending, vocab_size, device)
+
+
+def apply_masks(logits: torch.Tensor, staged: StagedMasks) -> None:
+    """Masks ``logits`` [R, V] in place with ``staged`` (forbidden tokens -inf)."""
+    import xgrammar as xgr
+
+    n = len(staged.rows_of)
+    dev_mask = staged.mask[:n].to(logits.device, non_blocking=True)
+    index = staged.row_index[:n].to(logits.device, non_blocking=True).long()
+    if staged.staging is not None:  # the pinned buffers are refilled only after these copies ran
+        staged.staging.event = torch.cuda.Event()
+        staged.staging.event.record()
+    with torch.inference_mode():  # the step's logits are inference tensors
+        packed = logits[index]  # the live rows, masked, then put back
+        xgr.apply_token_bitmask_inplace(packed, dev_mask)
+        logits.index_copy_(0, index, packed)
 
 
 def apply_grammars(logits: torch.Tensor, rows: Sequence[tuple[int, RequestGrammar, Sequence[int]]]) -> None:
     """Mask ``logits`` [R, V] in place: each (row, grammar, output ids so far) row keeps only the tokens its
     grammar allows next."""
-    import xgrammar as xgr
-
-    live = []
-    for row, grammar, outputs in rows:
-        grammar.sync(outputs)
-        if grammar.constrains:
-            live.append((row, grammar))
-    if not live:
-        return
-    rows_of = [row for row, _ in live]
-    if logits.device.type != "cuda" or not PINNED_STAGING:
-        bitmask = xgr.allocate_token_bitmask(logits.shape[0], logits.shape[1])
-        _fill(live, bitmask, rows_of)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True), indices=rows_of)
-        return
-    staging = _staging.setdefault(logits.device, _MaskStaging())
-    n = len(live)
-    mask, rows_buf = staging.buffers(n, (logits.shape[1] + 31) // 32)
-    _fill(live, mask, list(range(n)))  # the live rows packed: mask row i belongs to logits row rows_of[i]
-    rows_buf.numpy()[:n] = rows_of
-    dev_mask = mask[:n].to(logits.device, non_blocking=True)
-    dev_rows = rows_buf[:n].to(logits.device, non_blocking=True)
-    staging.event = torch.cuda.Event()
-    staging.event.record()
-    with torch.inference_mode():  # the step's logits are inference tensors
-        index = dev_rows.long()
-        packed = logits[index]  # the live rows, masked, then put back
-        xgr.apply_token_bitmask_inplace(packed, dev_mask)
-        logits.index_copy_(0, index, packed)
+    pending = [(row, g, outputs[g.accepted:]) for row, g, outputs in rows]
+    staged = fill_masks(pending, logits.shape[1], logits.device)
+    if staged is not None:
+        apply_masks(logits, staged)
