@@ -27,6 +27,7 @@ from paged_backend.core.scheduler import Scheduler
 from paged_backend.core.swap import SwapSpace
 from paged_backend.engine.draft_model import DraftModelProposer, load_draft_runner
 from paged_backend.engine.input_processor import InputProcessor, load_tokenizer, max_token_bytes, sample_id
+from paged_backend.engine.mtp_proposer import MTPProposer, check_mtp_config
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.parallel_sampling import ParallelSampling
 from paged_backend.engine.request_state import PreparedRequest, Row
@@ -63,6 +64,8 @@ class LLMEngine:
         self.max_num_batched_tokens = limits.max_num_batched_tokens
         self.eos_token_ids = tuple(self.info.eos_token_ids)
         self.async_scheduling = _async_scheduling(config, self.device)
+        if config.speculative_config is not None and config.speculative_config.method == "mtp":
+            check_mtp_config(config, self.info)  # before loading: the checkpoint's MTP layers propose
 
         self.runner = create_model_runner(config, model_dir, self.info, self.device, self.dtype)
         spec = config.speculative_config
@@ -94,6 +97,8 @@ class LLMEngine:
             draft = None
             if draft_runner is not None:
                 draft = DraftModelProposer(config, draft_runner, self.runner, self.kv)
+            elif spec.method == "mtp":  # its cache is a layer of the target's (in bytes_per_block)
+                draft = MTPProposer(config, self.runner, self.scheduler)
             self.spec = SpecDecoder(spec, self.scheduler, self.step_sampler, draft)
         if self.spec is not None:
             self.stats.spec = self.spec.stats

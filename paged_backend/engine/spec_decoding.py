@@ -1,7 +1,8 @@
 """Speculative decoding in the engine: drafts proposed after each step, verified by the next.
 
 ``propose`` gives every running request whose tokens are all computed but the last one new
-drafts (``request.spec_token_ids``: the n-gram proposer's, or a draft model's, engine/draft_model.py); the scheduler gives it 1 + k query tokens. ``verify``
+drafts (``request.spec_token_ids``: the n-gram proposer's, a draft model's, engine/draft_model.py, or the
+target's multi-token-prediction layers', engine/mtp_proposer.py); the scheduler gives it 1 + k query tokens. ``verify``
 samples each of the k + 1 logits rows with the request's own sampler (row j sees the output
 followed by drafts 0..j-1: penalties, min_tokens and bad words read that history), keeps the
 drafts equal to those samples and the sample after them (``spec_decode/acceptance.py``: this
@@ -19,6 +20,7 @@ import torch
 
 from paged_backend.core.scheduler import Scheduler, SchedulerOutput
 from paged_backend.engine.draft_model import DraftModelProposer
+from paged_backend.engine.mtp_proposer import MTPProposer
 from paged_backend.engine.request_state import Row
 from paged_backend.engine.step_sampling import StepSampler
 from paged_backend.outputs import LogprobsDict
@@ -72,7 +74,7 @@ class VerifiedStep:
 
 class SpecDecoder:
     def __init__(self, config: SpeculativeConfig, scheduler: Scheduler, step_sampler: StepSampler,
-                 draft: DraftModelProposer | None = None) -> None:
+                 draft: DraftModelProposer | MTPProposer | None = None) -> None:
         self.config = config
         self.ngram: NgramProposer | None = None
         if draft is None:
@@ -85,7 +87,8 @@ class SpecDecoder:
         self.stats = SpecDecodeStats(accepted_per_pos=[0] * config.num_speculative_tokens)
 
     def observe(self, sched: SchedulerOutput) -> None:
-        """Each step the target computes: a draft model computes it too (its own KV)."""
+        """Each step the target computes: a draft model computes it too (its own KV); the MTP proposer keeps
+        its hidden states for ``propose``."""
         if self.draft is not None:
             self.draft.observe(sched)
 

@@ -198,6 +198,10 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
 
+    # speculative decoding's MTP layers (models/mtp.py) read the last hidden states before the final norm
+    keep_prenorm = False
+    prenorm: torch.Tensor | None = None
+
     def forward(
         self,
         input_ids: torch.Tensor,
@@ -208,7 +212,9 @@ class LlamaModel(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         for i, layer in enumerate(self.layers):
             hidden, residual = layer(positions, hidden, residual, kv_caches[i], meta)
-        hidden, _ = self.norm(hidden, residual)
+        hidden, prenorm = self.norm(hidden, residual)
+        if self.keep_prenorm:
+            self.prenorm = prenorm
         return hidden
 
 

@@ -10,9 +10,10 @@
     block_sparse_moe.gate         -> mlp.gate (Mixtral's router)
     mlp.gate.e_score_correction_bias -> mlp.experts.e_score_correction_bias (GLM-4.5's routing bias)
     mlp.shared_experts.<proj>     -> as a dense MLP's (GLM-4.5)
-    model.layers.{L + i}.*        -> skipped: the i-th multi-token-prediction layer after the L decoder
-                                     layers (GLM-4.5 num_nextn_predict_layers; kept in the checkpoint
-                                     for speculative decoding, which does not run it yet)
+    model.layers.{L + i}.*        -> mtp.layers.{i}.* (then as above): the i-th multi-token-prediction
+                                     layer after the L decoder layers (num_nextn_predict_layers), when the
+                                     model has them (speculative decoding's "mtp", models/mtp.py; its
+                                     embed_tokens copy is not loaded, the model's is shared); else skipped
     *.k_scale / v_scale / kv_scale -> the attention's fp8 KV-scale buffers
 
 Each tensor goes through its parameter's ``weight_loader``; unknown names and shape mismatches
@@ -51,21 +52,28 @@ _KV_SCALE = re.compile(
     r"|^(?P<prefix2>.*\.self_attn)\.(?P<which2>k|v)_proj\.output_scale$"
 )
 _IGNORED = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
-_LAYER_PREFIX = re.compile(r"^model\.layers\.(\d+)\.")
+_LAYER_PREFIX = re.compile(r"^(?:model|mtp)\.layers\.(\d+)\.")  # a decoder or an MTP layer
+_MTP_CHECKPOINT = re.compile(r"^model\.layers\.(\d+)\.")
+_MTP_PARAM = re.compile(r"^mtp\.layers\.(\d+)\.")
 _CORRECTION_BIAS = (".mlp.gate.e_score_correction_bias", ".mlp.experts.e_score_correction_bias")
 _FUSED_GATE_UP = ".gate_up_proj."
-_EXPERT_SCALE = re.compile(rf"^(model\.layers\.\d+)\.mlp\.experts\.(w13|w2)_({'|'.join(EXPERT_SUFFIXES[1:])})$")
+_EXPERT_SCALE = re.compile(rf"^((?:model|mtp)\.layers\.\d+)\.mlp\.experts\.(w13|w2)_({'|'.join(EXPERT_SUFFIXES[1:])})$")
 
 
 def expert_checkpoint_modules(info: ModelInfo, prefix: str) -> list[str]:
     """The checkpoint module names (``model.layers.3.mlp.experts.0.gate_proj``, ...) of the routed experts
     of the layer at ``prefix`` in the family's per-expert layout: what a quantization config matches."""
     style = FAMILY_EXPERT_LAYOUTS[info.model_type][0]
-    return [name.removesuffix(".weight") for name, _, _ in checkpoint_expert_names(prefix, info.num_experts, style)]
+    return [_mtp_checkpoint_name(info, name).removesuffix(".weight")
+            for name, _, _ in checkpoint_expert_names(prefix, info.num_experts, style)]
 
 
 def checkpoint_names(param_name: str, info: ModelInfo) -> list[str]:
     """The HF tensor names that load ``param_name`` (several for a fused parameter)."""
+    return [_mtp_checkpoint_name(info, n) for n in _checkpoint_names(param_name, info)]
+
+
+def _checkpoint_names(param_name: str, info: ModelInfo) -> list[str]:
     if info.fused_gate_up_checkpoint and _FUSED_GATE_UP in param_name:
         return [param_name]
     scale = _EXPERT_SCALE.match(param_name) if info.is_moe else None
@@ -88,13 +96,16 @@ def load_checkpoint_tensors(model: nn.Module, info: ModelInfo, weights: Iterable
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     seen: dict[str, set] = {}
+    has_mtp = getattr(model, "mtp", None) is not None
     for name, tensor in weights:
         if any(s in name for s in _IGNORED):
             continue
         if info.tie_word_embeddings and name.startswith("lm_head."):
             continue  # the tied lm_head is embed_tokens
-        if _is_mtp_layer(info, name):
-            continue  # a multi-token-prediction layer: for speculative decoding, not run yet
+        if _is_mtp_layer(info, name):  # a multi-token-prediction layer: run only as speculative decoding's proposer
+            if not has_mtp or name.endswith(".embed_tokens.weight"):
+                continue  # not run, or its copy of the model's embedding (the model's is shared)
+            name = _MTP_CHECKPOINT.sub(lambda m: f"mtp.layers.{int(m[1]) - info.num_layers}.", name, count=1)
         m = _KV_SCALE.match(name)
         if m:
             prefix, which = m["prefix"] or m["prefix2"], m["which"] or m["which2"]
@@ -156,6 +167,11 @@ def _is_mtp_layer(info: ModelInfo, name: str) -> bool:
     """A tensor of one of the multi-token-prediction layers stored after the decoder layers."""
     layer = _LAYER_PREFIX.match(name) if info.num_mtp_layers else None
     return layer is not None and info.num_layers <= int(layer[1]) < info.num_layers + info.num_mtp_layers
+
+
+def _mtp_checkpoint_name(info: ModelInfo, name: str) -> str:
+    """``mtp.layers.{i}.*`` -> ``model.layers.{L + i}.*`` (other names unchanged)."""
+    return _MTP_PARAM.sub(lambda m: f"model.layers.{info.num_layers + int(m[1])}.", name, count=1)
 
 
 def _load_into(params: dict[str, nn.Parameter], seen: dict[str, set], name: str, pname: str, shard,

@@ -11,17 +11,20 @@ DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram default when neither bound is given
 
 class SpeculativeConfig(BaseModel):
     """``{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}``
-    or ``{"method": "draft_model", "model": "<dir>", "num_speculative_tokens": 3}``.
+    or ``{"method": "draft_model", "model": "<dir>", "num_speculative_tokens": 3}``
+    or ``{"method": "mtp", "num_speculative_tokens": 1}``.
 
     ``ngram``: prompt lookup; one bound given alone sets the other (vLLM's rule), neither gives 5
     for both. ``draft_model``: a smaller checkpoint with the target's vocabulary proposes greedily
-    (``method`` defaults to it when ``model`` is given). Other vLLM methods (``eagle``, ``medusa``,
-    ``mtp``) are refused.
+    (``method`` defaults to it when ``model`` is given). ``mtp``: the target checkpoint's own
+    multi-token-prediction layers (``num_nextn_predict_layers`` in its config.json, checked when the
+    engine loads it) propose greedily, reused in turn for more drafts than layers. Other vLLM methods
+    (``eagle``, ``medusa``) are refused.
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
 
-    method: Literal["ngram", "draft_model"] | None = None
+    method: Literal["ngram", "draft_model", "mtp"] | None = None
     num_speculative_tokens: int = Field(..., ge=1, le=32)
     model: str | None = None
     prompt_lookup_max: int | None = Field(None, ge=1)
@@ -31,14 +34,16 @@ class SpeculativeConfig(BaseModel):
     def _bounds(self) -> SpeculativeConfig:
         if self.method is None:
             self.method = "draft_model" if self.model is not None else "ngram"
+        if self.method != "ngram" and (self.prompt_lookup_min is not None or self.prompt_lookup_max is not None):
+            raise ValueError("prompt_lookup_min / prompt_lookup_max are for method 'ngram'")
         if self.method == "draft_model":
             if self.model is None:
                 raise ValueError("method 'draft_model' needs 'model', the draft checkpoint")
-            if self.prompt_lookup_min is not None or self.prompt_lookup_max is not None:
-                raise ValueError("prompt_lookup_min / prompt_lookup_max are for method 'ngram'")
             return self
-        if self.model is not None:
-            raise ValueError("method 'ngram' takes no 'model'")
+        if self.model is not None:  # mtp: the target checkpoint's own layers
+            raise ValueError(f"method {self.method!r} takes no 'model'")
+        if self.method == "mtp":
+            return self
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
         if lo is None and hi is None:
             lo = hi = DEFAULT_PROMPT_LOOKUP

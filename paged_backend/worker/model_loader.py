@@ -27,6 +27,7 @@ from paged_backend.models.layers import FusedLinear
 from paged_backend.models.llama import LlamaForCausalLM
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.moe import FusedMoE
+from paged_backend.models.mtp import UNQUANTIZED_MTP_LINEARS, MultiTokenPredictor
 from paged_backend.models.parallel import LazyTensor
 from paged_backend.models.weight_loading import expert_checkpoint_modules
 from paged_backend.quantization import QuantizationConfig, get_quantization_config
@@ -176,13 +177,15 @@ def load_model(
     attn_backend: AttentionBackend,
     load_format: str = "auto",
     ops: ModelOps | None = None,
+    mtp: bool = False,
     quantization: str | None = None,
     tp: TPGroup | None = None,
 ) -> LlamaForCausalLM:
     """Builds the model for ``info.architecture`` on ``device`` with weights from ``model_dir``.
 
     Quantized checkpoints: the method comes from the checkpoint's config; ``quantization``
-    (``--quantization``) must agree with it.
+    (``--quantization``) must agree with it. ``mtp``: also the checkpoint's multi-token-prediction
+    layers (``model.mtp``, models/mtp.py), for speculative decoding.
     """
     model_dir, device = Path(model_dir), torch.device(device)
     if load_format not in LOAD_FORMATS:
@@ -193,6 +196,9 @@ def load_model(
     cls = get_model_class(info.architecture)
     with torch.device("meta"):
         model = cls(info, attn_backend, dtype, ops, tp=tp)
+        if mtp:
+            model.mtp = MultiTokenPredictor(info, attn_backend, dtype, model.ops, model.model.rotary_emb,
+                                            model.model.embed_tokens)
         if quant_config is not None:
             set_linear_methods(model, quant_config)
     materialize(model, device)
@@ -222,6 +228,8 @@ def set_linear_methods(model: LlamaForCausalLM, quant_config: QuantizationConfig
             continue
         if not isinstance(module, FusedLinear) or (name == "lm_head" and model.info.tie_word_embeddings):
             continue
+        if name.startswith("mtp.") and name.endswith(UNQUANTIZED_MTP_LINEARS):
+            continue  # stored unquantized beside quantized decoder blocks (vLLM loads them so)
         shard_names = [n.removesuffix(".weight") for n in model.checkpoint_names(f"{name}.weight")]
         method = quant_config.get_linear_method(name, shard_names)
         if method is not None:

@@ -57,8 +57,10 @@ class ModelRunner:
         # memory other engines / programs held before this one loaded (not ours to count)
         self._mem_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         ops = get_kernel_ops(device, "torch" if config.attention_backend == "torch" else "auto")
+        spec = config.speculative_config
+        mtp = spec is not None and spec.method == "mtp"  # the checkpoint's MTP layers propose drafts
         self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format, ops=ops,
-                                quantization=config.quantization, tp=tp)
+                                quantization=config.quantization, mtp=mtp, tp=tp)
         self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
         if config.fp8_kv:
             self._setup_kv_scales()
@@ -69,6 +71,9 @@ class ModelRunner:
         else:
             spec = KVCacheSpec(self.block_size, self.kv_dtype, self.num_kv_heads, info.head_dim)
         self.kv_specs = [spec] * info.num_layers
+        if mtp:  # the MTP layers' caches after the decoder's, on the same block ids (in bytes_per_block)
+            self.kv_specs = self.kv_specs + [spec] * info.num_mtp_layers
+            self.model.model.keep_prenorm = True
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         # the host tier (swap_space GiB, same layout; pinned on CUDA) and its side stream
@@ -308,6 +313,29 @@ class ModelRunner:
         }
         return ModelOutput(step.sample_request_ids, logits, prompt_logits)
 
+    # -- multi-token prediction (speculative decoding's "mtp") -----------------------
+
+    def last_hidden_states(self) -> torch.Tensor:
+        """The last forward's hidden states before the final norm, one row per token [T, hidden]."""
+        hidden = self.model.model.prenorm
+        assert hidden is not None, "no forward has run with the MTP layers on"
+        return hidden
+
+    @torch.inference_mode()
+    def execute_mtp(self, sched: SchedulerOutput, prev_hidden: torch.Tensor, spec_step: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One pass of the MTP layers (models/mtp.py) over ``sched``'s tokens (t_{i+1} at position i) with
+        ``prev_hidden`` (one row per token), writing their caches; returns the logits and hidden states of the
+        sampled rows."""
+        mtp = self.model.mtp
+        step = self._builder_for(sched).build(sched)
+        hidden = mtp(step.input_ids, step.positions, prev_hidden, self.kv_caches[self.info.num_layers:], step.meta,
+                     spec_step)
+        rows = step.sample_rows
+        if len(rows) != step.num_tokens:
+            hidden = hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
+        return mtp.compute_logits(hidden, spec_step), hidden
+
     # -- CUDA graphs ------------------------------------------------------------------
 
     def _graphs_wanted(self) -> bool:
@@ -316,6 +344,7 @@ class ModelRunner:
         cfg = self.config
         return (self.device.type == "cuda" and not cfg.enforce_eager and self.attn_backend.name == "triton"
                 and (self.tp is None or self.tp.world_size == 1)
+                and getattr(self.model, "mtp", None) is None  # MTP reads each forward's hidden states (eager)
                 and (self.info.mla is None  # latent attention: only the kernel (its torch fallback loops on the host)
                      or mla_supported(self.info.mla.kv_lora_rank, self.info.mla.qk_rope_head_dim)))
 

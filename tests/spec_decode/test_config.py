@@ -25,6 +25,8 @@ def test_vllm_keys_and_lookup_defaults():
     {"num_speculative_tokens": 2, "method": "draft_model"},
     {"num_speculative_tokens": 2, "method": "ngram", "model": "x"},
     {"num_speculative_tokens": 2, "model": "x", "prompt_lookup_max": 3},
+    {"num_speculative_tokens": 2, "method": "mtp", "model": "x"},
+    {"num_speculative_tokens": 2, "method": "mtp", "prompt_lookup_min": 2},
     {"num_speculative_tokens": 2, "unknown_key": 1},
 ])
 def test_refused(bad):
@@ -36,6 +38,12 @@ def test_draft_model_keys():
     c = SpeculativeConfig(model="/d", num_speculative_tokens=3)
     assert (c.method, c.model, c.prompt_lookup_min) == ("draft_model", "/d", None)
     assert SpeculativeConfig(method="draft_model", model="/d", num_speculative_tokens=1).method == "draft_model"
+
+
+def test_mtp_keys():
+    """The target's own MTP layers: no model, no lookup bounds."""
+    c = SpeculativeConfig(method="mtp", num_speculative_tokens=2)
+    assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("mtp", None, None, None)
 
 
 def test_engine_config_and_the_cli_flag():
