@@ -48,6 +48,10 @@ class EngineConfig(BaseModel):
     enable_expert_parallel: bool = Field(False, description="MoE models: each tensor-parallel rank holds whole "
                                          "experts (E / tensor_parallel_size of them) instead of a slice of every "
                                          "expert; a no-op at tensor_parallel_size 1 and on dense models (vLLM's flag)")
+    pipeline_parallel_size: int = Field(1, ge=1, description="pipeline stages: contiguous decoder layers per stage, "
+                                        "each a tensor_parallel_size group of its own (vLLM's flag)")
+    pp_layer_partition: str | None = Field(None, description="decoder layers per pipeline stage, comma-separated "
+                                           "('3,1'); default: as even as possible, the first stages one more")
     quantization: str | None = None
     load_format: Literal["auto", "safetensors", "dummy"] = "auto"
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
@@ -77,12 +81,28 @@ class EngineConfig(BaseModel):
         if self.swap_space > 0 and self.speculative_config is not None and self.speculative_config.method == "draft_model":
             raise ValueError("swap_space is not supported with speculative_config method 'draft_model' (the draft "
                              "model's KV cache has no host tier)")
+        if self.pipeline_parallel_size > 1:
+            self._check_pipeline()
+        elif self.pp_layer_partition is not None:
+            raise ValueError("pp_layer_partition needs pipeline_parallel_size > 1")
         if self.max_num_batched_tokens is not None and not self.enable_chunked_prefill:
             if self.max_model_len is not None and self.max_num_batched_tokens < self.max_model_len:
                 raise ValueError(
                     "max_num_batched_tokens must be >= max_model_len when chunked prefill is disabled"
                 )
         return self
+
+    def _check_pipeline(self) -> None:
+        """What pipeline parallelism does not run (yet): refused by name."""
+        for what, on in (("speculative_config", self.speculative_config is not None),
+                         ("swap_space", self.swap_space > 0), ("async_scheduling", bool(self.async_scheduling))):
+            if on:
+                raise ValueError(f"{what} is not supported with pipeline_parallel_size > 1")
+        if self.pp_layer_partition is not None:
+            parts = self.pp_layer_partition.split(",")
+            if len(parts) != self.pipeline_parallel_size or not all(p.strip().isdigit() and int(p) > 0 for p in parts):
+                raise ValueError(f"pp_layer_partition {self.pp_layer_partition!r}: needs "
+                                 f"{self.pipeline_parallel_size} positive layer counts, one per pipeline stage")
 
     @property
     def fp8_kv(self) -> bool:

@@ -58,7 +58,7 @@ class TPGroup:
         """Rank 0: the ranks' ``x`` concatenated along ``dim`` (rank order); others: None."""
         x = x.contiguous()
         parts = [torch.empty_like(x) for _ in range(self.world_size)] if self.rank == 0 else None
-        dist.gather(x, parts, dst=0, group=self.device_group)
+        dist.gather(x, parts, group=self.device_group, group_dst=0)  # the group's first rank (a stage's, under PP)
         return torch.cat(parts, dim) if parts is not None else None
 
     def broadcast_object(self, obj: Any = None) -> Any:
@@ -125,3 +125,152 @@ def abort_tp_group() -> None:
             abort()
         except Exception:
             logger.debug("abort_process_group failed", exc_info=True)
+
+
+# -- pipeline parallelism ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PPStage:
+    """This process's pipeline stage: decoder layers ``[start, end)`` of ``num_layers``; the first stage
+    also embeds the tokens, the last one holds the final norm and the LM head.
+
+    Ranks: ``rank = pp_rank * tp_size + tp_rank``; stage ``i``'s TP rank ``j`` sends its activations to
+    stage ``i + 1``'s TP rank ``j`` (``next_rank``), and the last stage's TP rank 0 sends the logits to
+    global rank 0 (the engine)."""
+
+    pp_rank: int
+    pp_size: int
+    tp_rank: int
+    tp_size: int
+    start: int
+    end: int
+    num_layers: int
+
+    @property
+    def is_first(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def rank(self) -> int:
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def prev_rank(self) -> int:
+        return self.rank - self.tp_size
+
+    @property
+    def next_rank(self) -> int:
+        return self.rank + self.tp_size
+
+    @property
+    def logits_rank(self) -> int:
+        """The rank that sends each step's logits to rank 0: the last stage's TP rank 0."""
+        return (self.pp_size - 1) * self.tp_size
+
+
+def partition_layers(num_layers: int, pp_size: int, partition: str | None = None) -> list[tuple[int, int]]:
+    """Each stage's ``[start, end)`` of the decoder layers: contiguous, at least one layer per stage.
+
+    ``partition`` (``pp_layer_partition``, e.g. ``"3,1"``): the layers of each stage in order, summing
+    to ``num_layers``; default: as even as possible, the first ``num_layers % pp_size`` stages one more."""
+    if partition is None:
+        if num_layers < pp_size:
+            raise ValueError(f"pipeline_parallel_size ({pp_size}) is larger than the model's {num_layers} layers")
+        base, extra = divmod(num_layers, pp_size)
+        sizes = [base + int(i < extra) for i in range(pp_size)]
+    else:
+        try:
+            sizes = [int(x) for x in partition.split(",")]
+        except ValueError:
+            raise ValueError(f"pp_layer_partition {partition!r}: expected comma-separated layer counts") from None
+        if len(sizes) != pp_size or min(sizes) < 1 or sum(sizes) != num_layers:
+            raise ValueError(f"pp_layer_partition {partition!r}: needs {pp_size} positive layer counts (one per "
+                             f"pipeline stage) summing to the model's {num_layers} layers")
+    bounds, start = [], 0
+    for n in sizes:
+        bounds.append((start, start + n))
+        start += n
+    return bounds
+
+
+@dataclass(eq=False)
+class PipelineGroups:
+    """The groups of a TP x PP world: ``world`` (every rank: the control group's collectives and the
+    point-to-point sends), ``tp`` (this stage's tensor-parallel group, None at tensor_parallel_size 1)."""
+
+    world: TPGroup
+    tp: TPGroup | None
+    stage: PPStage
+
+
+def init_pipeline_groups(rank: int, tp_size: int, pp_size: int, bounds: list[tuple[int, int]], num_layers: int,
+                         device: torch.device, store: dist.Store | None = None,
+                         expert_parallel: bool = False) -> PipelineGroups:
+    """Joins the default group of ``tp_size * pp_size`` ranks, adds the control group, then one
+    device subgroup per stage (every rank creates every group, in the same order)."""
+    world_size = tp_size * pp_size
+    world = init_tp_group(rank, world_size, device, store, expert_parallel=expert_parallel)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    subgroups = [dist.new_group(list(range(p * tp_size, (p + 1) * tp_size)), backend=backend,
+                                timeout=timedelta(seconds=DEVICE_TIMEOUT_S)) for p in range(pp_size)]
+    pp_rank, tp_rank = divmod(rank, tp_size)
+    start, end = bounds[pp_rank]
+    stage = PPStage(pp_rank, pp_size, tp_rank, tp_size, start, end, num_layers)
+    tp = TPGroup(tp_rank, tp_size, device, subgroups[pp_rank], None, expert_parallel) if tp_size > 1 else None
+    return PipelineGroups(world, tp, stage)
+
+
+_TAG_MOD = 1 << 24  # gloo tags stay small: message counters wrap
+
+
+def pipeline_tag(seq: int) -> int:
+    """The point-to-point tag of step ``seq``'s activations and logits (both ends count the steps)."""
+    return seq % _TAG_MOD
+
+
+class ObjectChannel:
+    """Picklable objects from rank 0 to one peer, point to point on the control group: a send never
+    waits for the receiver (it is queued; ``prune`` waits for the oldest ones), so rank 0 runs stage 0
+    of the next micro-batch while later stages still work. Each message is a length then the bytes,
+    tagged by a counter both ends keep."""
+
+    def __init__(self, group: Any, peer: int) -> None:
+        self.group, self.peer = group, peer
+        self.count = 0
+        self.pending: list[tuple[Any, torch.Tensor]] = []
+
+    def _tags(self) -> tuple[int, int]:
+        n = self.count
+        self.count += 1
+        return (2 * n) % _TAG_MOD, (2 * n + 1) % _TAG_MOD
+
+    def send(self, obj: Any) -> None:
+        import pickle
+
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+        size = torch.tensor([data.numel()], dtype=torch.int64)
+        t_size, t_data = self._tags()
+        self.pending.append((dist.isend(size, self.peer, group=self.group, tag=t_size), size))
+        self.pending.append((dist.isend(data, self.peer, group=self.group, tag=t_data), data))
+        self.prune(16)
+
+    def recv(self) -> Any:
+        import pickle
+
+        t_size, t_data = self._tags()
+        size = torch.empty(1, dtype=torch.int64)
+        dist.recv(size, self.peer, group=self.group, tag=t_size)
+        data = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.recv(data, self.peer, group=self.group, tag=t_data)
+        return pickle.loads(data.numpy().tobytes())
+
+    def prune(self, keep: int = 0) -> None:
+        """Waits for all but the ``keep`` most recent sends (their buffers must live until then)."""
+        while len(self.pending) > keep:
+            work, _ = self.pending.pop(0)
+            work.wait()

@@ -42,6 +42,10 @@ _ENGINE_FLAGS: dict[str, tuple[Any, str]] = {
                                "when --swap-space is set and the request has computed >= 256 tokens, else "
                                "recompute)"),
     "--tensor-parallel-size": (int, "GPUs to split the model over (default: 1)"),
+    "--pipeline-parallel-size": (int, "pipeline stages, each of --tensor-parallel-size GPUs, layers split "
+                                      "contiguously between them (default: 1)"),
+    "--pp-layer-partition": (str, "decoder layers per pipeline stage, comma-separated, e.g. 3,1 (default: as even "
+                                  "as possible)"),
     "--quantization": (str, "awq | gptq | fp8 | compressed-tensors, checked against the checkpoint (default: "
                             "from the checkpoint)"),
     "--load-format": (str, "auto | safetensors | dummy, random weights (default: auto)"),

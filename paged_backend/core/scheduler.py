@@ -118,8 +118,12 @@ class Scheduler:
         max_model_len: int,
         enable_chunked_prefill: bool = True,
         swap: SwapSpace | None = None,
+        skip_in_flight: bool = False,
     ) -> None:
         self.kv = kv_manager
+        # pipeline parallelism: a request whose sampled token is in flight (num_pending) is not scheduled
+        # until it lands (async scheduling instead schedules it with a placeholder)
+        self.skip_in_flight = skip_in_flight
         self.swap = swap  # the host tier (None: preemption always recomputes)
         if swap is not None:
             kv_manager.attach_host_tier(swap)  # with prefix caching, the prefix cache's second tier
@@ -181,8 +185,11 @@ class Scheduler:
 
     # -- one step ---------------------------------------------------------------------
 
-    def schedule(self) -> SchedulerOutput:
+    def schedule(self, max_seqs: int | None = None) -> SchedulerOutput:
+        """``max_seqs``: at most that many requests in this step (pipeline parallelism's micro-batches)."""
         out = SchedulerOutput()
+        if max_seqs is None:
+            max_seqs = 1 << 62
         budget = self.max_num_batched_tokens
         self._step = step = self._step + 1
         # the running loop is the per-step cost of every decode: plain attributes, no helpers
@@ -196,7 +203,7 @@ class Scheduler:
             start = req.num_computed_tokens
             pending = req.num_pending
             num_new = len(req.all_token_ids) + pending - start
-            if pending and (len(req.output_token_ids) + pending >= req.max_tokens
+            if pending and (self.skip_in_flight or len(req.output_token_ids) + pending >= req.max_tokens
                             or len(req.all_token_ids) + pending >= max_len):
                 i += 1  # the token in flight is its last: nothing more to compute
                 continue
@@ -240,11 +247,14 @@ class Scheduler:
             scheduled.append(ScheduledRequest(req, start, num_new, block_ids[req.request_id], samples, drafts))
             budget -= num_new
             i += 1
+            if len(scheduled) >= max_seqs:
+                break
 
         if not out.preempted and self.swapped:
             budget = self._swap_in(out, budget)
         if not out.preempted and not self.swapped:
-            while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            while (self.waiting and budget > 0 and len(self.running) < self.max_num_seqs
+                   and len(out.scheduled) < max_seqs):
                 req = self.waiting[0]
                 if req.num_pending:  # preempted while its last token was in flight: next step
                     break

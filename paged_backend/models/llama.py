@@ -46,10 +46,10 @@ from paged_backend.models.parallel import (
     o_proj,
     qkv_proj,
 )
-from paged_backend.models.weight_loading import checkpoint_names, load_checkpoint_tensors
+from paged_backend.models.weight_loading import checkpoint_names, load_checkpoint_tensors, stage_weights
 
 if TYPE_CHECKING:
-    from paged_backend.distributed import TPGroup
+    from paged_backend.distributed import PPStage, TPGroup
 
 class LlamaAttention(nn.Module):
     def __init__(
@@ -185,18 +185,27 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
+    """Under pipeline parallelism (``pp``) only the stage's layers are built (the others are parameterless
+    placeholders, so parameter names keep their global layer index); the embedding on the first stage
+    (and on a last stage whose LM head is tied to it), the final norm on the last."""
+
     def __init__(self, info: ModelInfo, attn_backend: AttentionBackend, dtype: torch.dtype, ops: ModelOps,
-                 tp: TPGroup | None = None) -> None:
+                 tp: TPGroup | None = None, pp: PPStage | None = None) -> None:
         super().__init__()
         self.rotary_emb = RotaryEmbedding(
             info.head_dim, info.max_position_embeddings, info.rope_theta, info.rope_scaling, ops, info.rope_dim,
             interleaved=info.rope_interleaved,
         )
-        self.embed_tokens = embed_tokens(info, dtype, tp)  # vocab-parallel under TP
+        start, end = (0, info.num_layers) if pp is None else (pp.start, pp.end)
+        first, last = pp is None or pp.is_first, pp is None or pp.is_last
+        embeds = first or (last and info.tie_word_embeddings)
+        self.embed_tokens = embed_tokens(info, dtype, tp) if embeds else None  # vocab-parallel under TP
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(info, i, self.rotary_emb, attn_backend, dtype, ops, tp) for i in range(info.num_layers)
+            LlamaDecoderLayer(info, i, self.rotary_emb, attn_backend, dtype, ops, tp) if start <= i < end
+            else nn.Identity() for i in range(info.num_layers)
         )
-        self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
+        self.local_layers = list(self.layers)[start:end]  # kv_caches[i] is local_layers[i]'s
+        self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops) if last else None
 
     # speculative decoding's MTP layers (models/mtp.py) read the last hidden states before the final norm
     keep_prenorm = False
@@ -208,10 +217,16 @@ class LlamaModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[torch.Tensor],
         meta: AttentionMetadata,
-    ) -> torch.Tensor:
-        hidden, residual = self.embed_tokens(input_ids), None
-        for i, layer in enumerate(self.layers):
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if intermediate is None:
+            hidden, residual = self.embed_tokens(input_ids), None
+        else:  # a later pipeline stage: the previous stage's (hidden, residual)
+            hidden, residual = intermediate
+        for i, layer in enumerate(self.local_layers):
             hidden, residual = layer(positions, hidden, residual, kv_caches[i], meta)
+        if self.norm is None:  # a pipeline stage before the last: the next stage's input
+            return hidden, residual
         hidden, prenorm = self.norm(hidden, residual)
         if self.keep_prenorm:
             self.prenorm = prenorm
@@ -228,15 +243,18 @@ class LlamaForCausalLM(nn.Module):
         dtype: torch.dtype,
         ops: ModelOps | None = None,
         tp: TPGroup | None = None,
+        pp: PPStage | None = None,
     ) -> None:
         super().__init__()
         self.info = info
         self.tp = tp  # tensor parallelism: this rank's group (None: the whole model)
+        self.pp = pp  # pipeline parallelism: this rank's stage (None: every layer here)
         self.dtype = dtype
         self.ops = ops or reference_ops()
-        self.model = LlamaModel(info, attn_backend, dtype, self.ops, tp)
-        self.lm_head = lm_head(info, dtype, tp)  # under TP: logits gathered to rank 0
-        if info.tie_word_embeddings:
+        self.model = LlamaModel(info, attn_backend, dtype, self.ops, tp, pp)
+        # under TP: logits gathered to the stage's first rank; under PP: on the last stage only
+        self.lm_head = lm_head(info, dtype, tp) if pp is None or pp.is_last else None
+        if info.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.model.embed_tokens.weight
 
     @property
@@ -256,8 +274,9 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,  # int64 [T]
         kv_caches: list[torch.Tensor],  # per layer [2, num_blocks, block_size, Hkv, D]
         meta: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden], final-normed
-        return self.model(input_ids, positions, kv_caches, meta)
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,  # PP: the previous stage's output
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, hidden], final-normed; PP: (hidden, residual)
+        return self.model(input_ids, positions, kv_caches, meta, intermediate)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> float32 [N, vocab]
         return linear(self.lm_head, hidden).float()
@@ -272,4 +291,6 @@ class LlamaForCausalLM(nn.Module):
         for m in self.modules():  # copies made from the old weights (cpu_linear's packed ones, MLA's dequantized)
             m.__dict__.pop(PACKED, None)
             m.__dict__.pop(DEQUANTIZED_KV_B, None)
+        if self.pp is not None:
+            weights = stage_weights(self.info, self.pp, weights)
         return load_checkpoint_tensors(self, self.info, weights)

@@ -23,7 +23,8 @@ raise ``ValueError`` naming the checkpoint tensor.
 from __future__ import annotations
 
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -37,6 +38,9 @@ from paged_backend.models.moe import (
     parse_expert_name,
 )
 from paged_backend.models.parallel import LazyTensor, narrow
+
+if TYPE_CHECKING:
+    from paged_backend.distributed import PPStage
 
 # (fused parameter, HF checkpoint name, shard id)
 STACKED_PARAMS = (
@@ -119,6 +123,25 @@ def load_checkpoint_tensors(model: nn.Module, info: ModelInfo, weights: Iterable
         pname, shard = _target(info, name)
         _load_into(params, seen, name, pname, shard, tensor)
     return {n for n, shards in seen.items() if n in buffers or _fully_loaded(params[n], shards)}
+
+
+def stage_weights(info: ModelInfo, stage: PPStage, weights: Iterable[tuple[str, torch.Tensor]]
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint tensors a pipeline stage loads: its decoder layers', the embedding on the first
+    stage (and on the last when the LM head is tied to it), the final norm and LM head on the last."""
+    embeds = stage.is_first or (stage.is_last and info.tie_word_embeddings)
+    for name, tensor in weights:
+        layer = _LAYER_PREFIX.match(name)
+        if layer is not None:
+            i = int(layer[1])
+            if i < info.num_layers and not stage.start <= i < stage.end:
+                continue  # another stage's layer (MTP layers past the decoder go on, to be skipped as before)
+        elif name.startswith("model.embed_tokens."):
+            if not embeds:
+                continue
+        elif name.startswith(("model.norm.", "lm_head.")) and not stage.is_last:
+            continue
+        yield name, tensor
 
 
 def _target(info: ModelInfo, name: str) -> tuple[str, object]:

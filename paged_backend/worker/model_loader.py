@@ -33,7 +33,7 @@ from paged_backend.models.weight_loading import expert_checkpoint_modules
 from paged_backend.quantization import QuantizationConfig, get_quantization_config
 
 if TYPE_CHECKING:
-    from paged_backend.distributed import TPGroup
+    from paged_backend.distributed import PPStage, TPGroup
 
 INDEX_FILE = "model.safetensors.index.json"
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -107,7 +107,8 @@ def load_safetensors_weights(model: LlamaForCausalLM, model_dir: Path, files: li
     """Streams every tensor into the model and checks that each parameter got loaded."""
     cursor = _Cursor()
     try:
-        loaded = model.load_weights(iter_safetensors(files, cursor, lazy=getattr(model, "tp", None) is not None))
+        loaded = model.load_weights(iter_safetensors(files, cursor, lazy=getattr(model, "tp", None) is not None
+                                                        or getattr(model, "pp", None) is not None))
     except ValueError as e:
         raise ValueError(f"{e} (in {cursor.file})") from None
     missing = [n for n, _ in model.named_parameters() if n not in loaded]
@@ -180,6 +181,7 @@ def load_model(
     mtp: bool = False,
     quantization: str | None = None,
     tp: TPGroup | None = None,
+    pp: PPStage | None = None,
 ) -> LlamaForCausalLM:
     """Builds the model for ``info.architecture`` on ``device`` with weights from ``model_dir``.
 
@@ -195,7 +197,7 @@ def load_model(
     files = [] if load_format == "dummy" else find_safetensors(model_dir)
     cls = get_model_class(info.architecture)
     with torch.device("meta"):
-        model = cls(info, attn_backend, dtype, ops, tp=tp)
+        model = cls(info, attn_backend, dtype, ops, tp=tp, **({"pp": pp} if pp is not None else {}))
         if mtp:
             model.mtp = MultiTokenPredictor(info, attn_backend, dtype, model.ops, model.model.rotary_emb,
                                             model.model.embed_tokens)

@@ -32,10 +32,10 @@ from paged_backend.models.parallel import local_heads
 from paged_backend.worker.cuda_graphs import DecodeGraphs
 from paged_backend.worker.model_loader import load_model
 from paged_backend.worker.runner import ModelOutput
-from paged_backend.worker.step_inputs import StepInputBuilder
+from paged_backend.worker.step_inputs import StepInputBuilder, StepInputs
 
 if TYPE_CHECKING:
-    from paged_backend.distributed import TPGroup
+    from paged_backend.distributed import PPStage, TPGroup
 
 logger = logging.getLogger(__name__)
 
@@ -45,9 +45,10 @@ class ModelRunner:
     ``ModelRunnerProtocol``."""
 
     def __init__(self, config: EngineConfig, model_dir, info: ModelInfo, device: torch.device, dtype: torch.dtype,
-                 tp: TPGroup | None = None):
+                 tp: TPGroup | None = None, pp: PPStage | None = None):
         self.config = config
         self.tp = tp  # tensor parallelism: this rank's group (None: the whole model here)
+        self.pp = pp  # pipeline parallelism: this rank's stage (None: every layer here)
         self.num_kv_heads = local_heads(info, tp)[1]  # KV heads whose cache this rank holds
         self.info = info
         self.device = device
@@ -60,7 +61,7 @@ class ModelRunner:
         spec = config.speculative_config
         mtp = spec is not None and spec.method == "mtp"  # the checkpoint's MTP layers propose drafts
         self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format, ops=ops,
-                                quantization=config.quantization, mtp=mtp, tp=tp)
+                                quantization=config.quantization, mtp=mtp, tp=tp, pp=pp)
         self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
         if config.fp8_kv:
             self._setup_kv_scales()
@@ -70,7 +71,7 @@ class ModelRunner:
             spec = KVCacheSpec(self.block_size, self.kv_dtype, latent_dim=info.mla.latent_dim)
         else:
             spec = KVCacheSpec(self.block_size, self.kv_dtype, self.num_kv_heads, info.head_dim)
-        self.kv_specs = [spec] * info.num_layers
+        self.kv_specs = [spec] * (info.num_layers if pp is None else pp.end - pp.start)  # PP: the stage's layers
         if mtp:  # the MTP layers' caches after the decoder's, on the same block ids (in bytes_per_block)
             self.kv_specs = self.kv_specs + [spec] * info.num_mtp_layers
             self.model.model.keep_prenorm = True
@@ -300,7 +301,15 @@ class ModelRunner:
         else:
             self.step_counts["eager"] += 1
             step = builder.build(sched, sliding_window=window, prev=prev)
-            hidden = self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+            hidden = self._forward(step)
+        return self._outputs(step, hidden)
+
+    def _forward(self, step: StepInputs) -> torch.Tensor:
+        """The eager forward pass (a pipeline stage's overrides it: activations in and out)."""
+        return self.model(step.input_ids, step.positions, self.kv_caches, step.meta)
+
+    def _outputs(self, step: StepInputs, hidden: torch.Tensor) -> ModelOutput:
+        """The logits of the step's sampled rows and of its prompt-logprob spans."""
         rows = step.sample_rows
         if len(rows) == step.num_tokens:  # every row samples (decode): no gather
             sel = hidden[: step.num_tokens]

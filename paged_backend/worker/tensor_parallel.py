@@ -68,6 +68,7 @@ class RankReport:
     kv_cache_shape: tuple[int, ...]
     num_used_blocks: int
     num_free_blocks: int
+    layers: tuple[int, int] = (0, 0)  # the decoder layers [start, end) whose KV cache this rank holds
 
 
 class _BlockLedger:
@@ -84,8 +85,10 @@ class _BlockLedger:
         self.blocks = {rid: b for rid, b in self.blocks.items() if rid in live}
         used = len({b for blocks in self.blocks.values() for b in blocks})
         shape = tuple(runner.kv_caches[0].shape) if runner.kv_caches else ()
+        pp = runner.pp
+        layers = (pp.start, pp.end) if pp is not None else (0, len(runner.kv_specs))
         return RankReport(tp.rank, os.getpid(), str(runner.device), runner.num_blocks, shape, used,
-                          runner.num_blocks - 1 - used)
+                          runner.num_blocks - 1 - used, layers)
 
 
 # -- the factory -------------------------------------------------------------------------------
@@ -123,11 +126,11 @@ class TensorParallelRunner:
     """Rank 0's runner (``ModelRunnerProtocol``): rank 0's slice runs here, in ``self.local``, and
     every call is mirrored on the workers."""
 
+    _kind = "tensor-parallel"  # how errors name the workers
+
     def __init__(self, config: EngineConfig, model_dir: Path, info: ModelInfo, device: torch.device,
                  dtype: torch.dtype) -> None:
-        self.world_size = config.tensor_parallel_size
-        ep = config.enable_expert_parallel
-        check_tp_compatible(info, self.world_size, ep)
+        self._configure(config, info)
         self._procs: list[mp.Process] = []
         self._failure: WorkerDiedError | None = None
         self._closed = False
@@ -144,17 +147,40 @@ class TensorParallelRunner:
                 dev = _rank_device(device, int(os.environ.get("LOCAL_RANK", rank)))
                 if rank != 0:  # torchrun: this process is a worker; it leaves when rank 0 shuts down
                     atexit.unregister(self.shutdown)
-                    tp = init_tp_group(rank, self.world_size, dev, expert_parallel=ep)
-                    run_worker(config, model_dir, info, dev, dtype, tp)
-                    destroy_tp_group()
+                    self._serve_fn()(rank, self.world_size, config, model_dir, info, dev, dtype, None)
                     raise SystemExit(0)
-                self.tp = init_tp_group(0, self.world_size, dev, expert_parallel=ep)
+                self._join_groups(config, dev, None)
             if dev.type == "cuda":
                 threading.Thread(target=self._watch_workers, name="paged-backend-tp-watch", daemon=True).start()
-            self.local = ModelRunner(config, model_dir, info, dev, dtype, tp=self.tp)
+            self.local = self._local_runner(config, model_dir, info, dev, dtype)
         except BaseException:
             self.shutdown()
             raise
+        self._log_start(info, config.enable_expert_parallel)
+
+    # -- what a subclass (pipeline parallelism) replaces --------------------------------------
+
+    def _configure(self, config: EngineConfig, info: ModelInfo) -> None:
+        """The world size, and the model's split checked before any process starts."""
+        self.world_size = config.tensor_parallel_size
+        check_tp_compatible(info, self.world_size, config.enable_expert_parallel)
+
+    def _serve_fn(self) -> Callable[..., None]:
+        """A worker's life (module level: a spawned process is given it)."""
+        return _serve_tp
+
+    def _join_groups(self, config: EngineConfig, dev: torch.device, store: dist.Store | None) -> None:
+        self.tp = init_tp_group(0, self.world_size, dev, store=store, expert_parallel=config.enable_expert_parallel)
+
+    def _local_runner(self, config: EngineConfig, model_dir: Path, info: ModelInfo, dev: torch.device,
+                      dtype: torch.dtype) -> ModelRunner:
+        return ModelRunner(config, model_dir, info, dev, dtype, tp=self.tp)
+
+    def _send_command(self, cmd: str, arg: Any) -> None:
+        """Every worker gets ``(cmd, arg)``."""
+        self.tp.broadcast_object((cmd, arg))
+
+    def _log_start(self, info: ModelInfo, ep: bool) -> None:
         logger.info("tensor parallel: %d ranks (%s), %d q / %d KV heads per rank%s", self.world_size,
                     self.tp.backend, info.num_heads // self.world_size, self.local.num_kv_heads,
                     ", whole routed experts per rank (expert parallel)" if ep and info.is_moe else "")
@@ -223,7 +249,7 @@ class TensorParallelRunner:
             if dead:
                 raise self._fail(None, dead)
             try:
-                self.tp.broadcast_object((cmd, arg))
+                self._send_command(cmd, arg)
                 return local()
             except Exception as exc:
                 raise self._fail(exc, self._dead_workers(wait_s=2.0)) from exc
@@ -240,9 +266,9 @@ class TensorParallelRunner:
         if dead:
             rank = {p.pid: i + 1 for i, p in enumerate(self._procs)}
             what = ", ".join(f"rank {rank[p.pid]} (pid {p.pid}, exit code {p.exitcode})" for p in dead)
-            msg = f"tensor-parallel worker {what} died; the engine cannot continue"
+            msg = f"{self._kind} worker {what} died; the engine cannot continue"
         else:
-            msg = f"a tensor-parallel collective failed ({exc!r}); the engine cannot continue"
+            msg = f"a {self._kind} collective failed ({exc!r}); the engine cannot continue"
         logger.error(msg)
         self._failure = WorkerDiedError(msg)
         self._stop_workers(grace_s=0.0)
@@ -279,7 +305,7 @@ class TensorParallelRunner:
         if self._lock.acquire(timeout=timeout_s):
             try:
                 if self.tp is not None and self._failure is None and not self._dead_workers():
-                    self.tp.broadcast_object(("shutdown", None))
+                    self._send_command("shutdown", None)
                     self.tp.barrier()
             except Exception:
                 logger.debug("shutdown broadcast failed", exc_info=True)
@@ -306,7 +332,7 @@ class TensorParallelRunner:
         for rank in range(1, self.world_size):
             p = ctx.Process(target=_worker_main, name=f"paged-backend-tp{rank}", daemon=True,
                             args=(rank, self.world_size, store.port, os.getpid(), config, str(model_dir), info,
-                                  device.type, dtype, threads))
+                                  device.type, dtype, threads, self._serve_fn()))
             p.start()
             self._procs.append(p)
         keys = [_READY_KEY.format(r) for r in range(1, self.world_size)]
@@ -318,19 +344,25 @@ class TensorParallelRunner:
             if time.monotonic() > deadline:
                 raise self._fail(TimeoutError(f"workers not up after {DEVICE_TIMEOUT_S:.0f}s"), [])
             time.sleep(0.05)
-        self.tp = init_tp_group(0, self.world_size, dev, store=store, expert_parallel=config.enable_expert_parallel)
+        self._join_groups(config, dev, store)
 
 
 # -- ranks > 0 -------------------------------------------------------------------------------
 
 
 def run_worker(config: EngineConfig, model_dir: Path | str, info: ModelInfo, device: torch.device,
-               dtype: torch.dtype, tp: TPGroup) -> None:
-    """A worker's life: load this rank's slice of the model, then run what rank 0 broadcasts."""
-    runner = ModelRunner(config, Path(model_dir), info, device, dtype, tp=tp)
+               dtype: torch.dtype, tp: TPGroup, runner: ModelRunner | None = None,
+               recv: Callable[[], Any] | None = None) -> None:
+    """A worker's life: load this rank's slice of the model, then run what rank 0 broadcasts.
+
+    Pipeline parallelism passes its stage's ``runner`` and ``recv`` (rank 0's commands point to point);
+    ``tp`` is then the group of every rank."""
+    if runner is None:
+        runner = ModelRunner(config, Path(model_dir), info, device, dtype, tp=tp)
+    recv = recv or tp.broadcast_object
     ledger = _BlockLedger()
     while True:
-        cmd, arg = tp.broadcast_object()
+        cmd, arg = recv()
         if cmd == "step":
             ledger.record(arg)
             runner.execute(arg)
@@ -340,6 +372,8 @@ def run_worker(config: EngineConfig, model_dir: Path | str, info: ModelInfo, dev
             runner.allocate_kv_cache(arg)
         elif cmd == "report":
             tp.gather_objects(ledger.report(tp, runner, arg))
+        elif cmd == "trace":  # pipeline parallelism: the stage's forward passes
+            tp.gather_objects(runner.stage_trace())
         elif cmd == "shutdown":
             tp.barrier()
             return
@@ -357,8 +391,17 @@ def _exit_when_orphaned(parent_pid: int) -> None:
     threading.Thread(target=watch, name="paged-backend-parent-watch", daemon=True).start()
 
 
+def _serve_tp(rank: int, world_size: int, config: EngineConfig, model_dir: Path | str, info: ModelInfo,
+              dev: torch.device, dtype: torch.dtype, store: dist.Store | None) -> None:
+    """A tensor-parallel worker: joins the group, serves rank 0's calls, leaves."""
+    tp = init_tp_group(rank, world_size, dev, store=store, expert_parallel=config.enable_expert_parallel)
+    run_worker(config, model_dir, info, dev, dtype, tp)
+    destroy_tp_group()
+
+
 def _worker_main(rank: int, world_size: int, port: int, parent_pid: int, config: EngineConfig, model_dir: str,
-                 info: ModelInfo, device_type: str, dtype: torch.dtype, threads: int) -> None:
+                 info: ModelInfo, device_type: str, dtype: torch.dtype, threads: int,
+                 serve: Callable[..., None] = _serve_tp) -> None:
     """Entry point of a spawned worker process."""
     _exit_when_orphaned(parent_pid)
     if threads:
@@ -367,6 +410,4 @@ def _worker_main(rank: int, world_size: int, port: int, parent_pid: int, config:
     store = dist.TCPStore("127.0.0.1", port, world_size, is_master=False,
                           timeout=timedelta(seconds=DEVICE_TIMEOUT_S))
     store.set(_READY_KEY.format(rank), "1")
-    tp = init_tp_group(rank, world_size, dev, store=store, expert_parallel=config.enable_expert_parallel)
-    run_worker(config, model_dir, info, dev, dtype, tp)
-    destroy_tp_group()
+    serve(rank, world_size, config, model_dir, info, dev, dtype, store)

@@ -18,6 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from model_fixtures import hf_model, make_tiny_checkpoint
+from process_checks import assert_gone as _assert_gone
+from process_checks import running as _running
 
 from paged_backend import LLM, SamplingParams
 from paged_backend.config import EngineConfig
@@ -65,25 +67,6 @@ def _hf_greedy(path: Path) -> list[list[int]]:
                              pad_token_id=0)
         res.append(out[0, len(p):].tolist())
     return res
-
-
-def _running(pid: int) -> bool:
-    """The process exists and is not a zombie (Linux /proc)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
-def _assert_gone(pids: list[int], within_s: float = 10.0) -> None:
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        alive = [p for p in pids if _running(p)]
-        if not alive:
-            return
-        time.sleep(0.1)
-    raise AssertionError(f"worker processes still alive: {alive}")
 
 
 @pytest.fixture(scope="module")
