@@ -30,6 +30,7 @@ from paged_backend.engine.input_processor import InputProcessor, load_tokenizer,
 from paged_backend.engine.mtp_proposer import MTPProposer, check_mtp_config
 from paged_backend.engine.output_processor import OutputProcessor
 from paged_backend.engine.parallel_sampling import ParallelSampling
+from paged_backend.engine.pipeline_steps import PipelinedSteps
 from paged_backend.engine.request_state import PreparedRequest, Row
 from paged_backend.engine.spec_decoding import SpecDecoder, VerifiedStep
 from paged_backend.engine.stats import EngineStats
@@ -41,7 +42,7 @@ from paged_backend.outputs import RequestOutput
 from paged_backend.sample.sampler import Sampler
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.worker.model_loader import resolve_dtype
-from paged_backend.worker.tensor_parallel import create_model_runner
+from paged_backend.worker.pipeline_parallel import create_model_runner
 
 __all__ = ["LLMEngine", "PreparedRequest", "max_token_bytes"]
 
@@ -86,6 +87,7 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             swap=self.swap,
+            skip_in_flight=config.pipeline_parallel_size > 1,
         )
         self.stats = EngineStats(interval=0 if config.disable_log_stats else config.log_stats_interval)
         self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.eos_token_ids, self.max_model_len,
@@ -106,6 +108,8 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.scheduler, self.stats, self.eos_token_ids, self.max_model_len)
         self.groups, self.samples = self.outputs.groups, self.outputs.samples  # the live requests
         self._inflight: LaunchedStep | None = None  # async: the step whose sampled ids are still on the device
+        pp = config.pipeline_parallel_size  # pipeline parallelism: micro-batches in flight (pipeline_steps.py)
+        self.pipeline = PipelinedSteps(self, pp) if pp > 1 else None
         _log_engine(self)
         _log_kv_cache(num_blocks, config.block_size, self.runner, self.max_model_len, draft_bytes)
 
@@ -195,6 +199,8 @@ class LLMEngine:
         while the device computes step t+1. A request that stops at step t has a row in
         step t+1 whose token is dropped; one that reaches max_tokens is not scheduled again.
         """
+        if self.pipeline is not None:
+            return self.pipeline.step()
         sched = self.scheduler.schedule()
         if sched.preempted:
             self.stats.on_preemptions(len(sched.preempted))
@@ -288,7 +294,8 @@ def _resolve_device(name: str) -> torch.device:
 def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """vLLM's default on one GPU; no gain where the host runs the model."""
     if config.async_scheduling is None:  # speculative steps run synchronously
-        return device.type == "cuda" and config.tensor_parallel_size == 1 and config.speculative_config is None
+        return (device.type == "cuda" and config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1
+                and config.speculative_config is None)
     if config.async_scheduling and config.tensor_parallel_size > 1:
         raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
     if config.async_scheduling and config.speculative_config is not None:
