@@ -243,16 +243,20 @@ def test_tp2_pp2_moe_with_expert_parallel(moe):
     assert_gone(pids)
 
 
-def test_killed_last_stage_fails_pp2_quickly(llama):
-    path, _ = llama
-    llm = _pp(path, max_model_len=512)
+def test_pp3_matches_hf_then_a_killed_middle_stage_fails_the_engine(llama):
+    """Three stages of one layer each; kill -9 of the middle one: the stages around it fail in turn, the
+    engine names it at once."""
+    path, expected = llama
+    llm = _pp(path, pipeline_parallel_size=3, max_model_len=512)
     engine = llm.engine
-    (pid,) = engine.runner.worker_pids
+    pids = engine.runner.worker_pids
     try:
-        _kill_mid_run(engine, pid, 1)
+        assert greedy_tokens(llm) == expected
+        assert [r.layers for r in engine.runner.rank_reports([])] == [(0, 1), (1, 2), (2, 3)]
+        _kill_mid_run(engine, pids[0], 1)
     finally:
         llm.shutdown()
-    assert_gone([pid])
+    assert_gone(pids)
 
 
 # -- torchrun: two nodes on loopback ---------------------------------------------------------------

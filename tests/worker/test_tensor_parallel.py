@@ -339,18 +339,19 @@ import sys
 from paged_backend import LLM, SamplingParams
 
 if __name__ == "__main__":
-    llm = LLM(sys.argv[1], tokenizer=sys.argv[2], tensor_parallel_size=2, dtype="float32", device="cpu",
-              kv_cache_memory_bytes=1 << 20, log_stats_interval=0)
+    llm = LLM(sys.argv[1], tokenizer=sys.argv[2], dtype="float32", device="cpu", kv_cache_memory_bytes=1 << 20,
+              log_stats_interval=0, **{sys.argv[3]: 2})
     out = llm.generate([[1, 5, 9]], SamplingParams(max_tokens=3, temperature=0.0), use_tqdm=False)
     print("PIDS", *llm.engine.runner.worker_pids, flush=True)
     # no shutdown: interpreter exit must take the workers down
 """
 
 
-def test_interpreter_exit_leaves_no_worker(divisible, tokenizer_dir, tmp_path):
+@pytest.mark.parametrize("size", ["tensor_parallel_size", "pipeline_parallel_size"])
+def test_interpreter_exit_leaves_no_worker(divisible, tokenizer_dir, tmp_path, size):
     script = tmp_path / "run_tp.py"
     script.write_text(_EXIT_SCRIPT)
-    res = subprocess.run([sys.executable, str(script), str(divisible), tokenizer_dir], capture_output=True,
+    res = subprocess.run([sys.executable, str(script), str(divisible), tokenizer_dir, size], capture_output=True,
                          text=True, timeout=120)
     assert res.returncode == 0, res.stderr[-3000:]
     pids = [int(p) for p in res.stdout.split("PIDS", 1)[1].split()]
