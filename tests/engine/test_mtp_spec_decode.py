@@ -1,9 +1,10 @@
 """Speculative decoding with the checkpoint's multi-token-prediction layers ({"method": "mtp"}) on tiny random
 DeepSeek-V3 (latent attention) and GLM-4.5 (grouped-query attention) checkpoints whose MTP layer the test writes
 (transformers saves none): the MTP head's logits equal the formula computed from the checkpoint's tensors
-(transformers running the layer's decoder block), greedy output equals greedy output without speculation
-whatever the batching or chunking, an MTP layer built to predict well gets its drafts accepted, aborts leak no
-block, and the MTP layer's cache counts in the KV budget."""
+(transformers running the layer's decoder block), so do the engine's drafts after every step, greedy output
+equals greedy output without speculation whatever the batching, chunking, swap preemption, forks or prefix hits,
+an MTP layer built to predict well gets its drafts accepted, aborts leak no block, and the MTP layer's cache
+counts in the KV budget."""
 
 from __future__ import annotations
 
@@ -210,6 +211,23 @@ def test_greedy_with_mtp_drafts_equals_greedy_without(family, kw) -> None:
     stats = llm.engine.spec.stats
     assert stats.num_drafts > 0 and stats.num_draft_tokens > stats.num_drafts  # second drafts made too
     assert stats.num_accepted_tokens == sum(stats.accepted_per_pos) <= stats.num_draft_tokens
+    assert_no_leak(llm.engine)
+
+
+def test_swap_preemption_forks_and_prefix_hits_keep_the_tokens(family) -> None:
+    """A cache of 7 usable blocks preempts by swap (the MTP layer's blocks go to the host tier and back with the
+    others), two greedy samples of each prompt fork, a second pass hits the prefix cache: the plain engine's
+    tokens."""
+    path, expected = family
+    llm = tiny_llm(path, speculative_config=MTP, kv_cache_memory_bytes=None, num_gpu_blocks_override=8,
+                   preemption_mode="swap", swap_space=0.01)
+    assert llm.engine.runner.host_caches and len(llm.engine.runner.host_caches) == len(llm.engine.runner.kv_caches)
+    assert greedy_tokens(llm) == expected
+    assert llm.engine.stats.num_preemptions_total > 0 and llm.engine.spec.stats.num_drafts > 0
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, n=2),
+                        use_tqdm=False)
+    assert [[c.token_ids for c in o.outputs] for o in outs] == [[e, e] for e in expected]
+    assert llm.engine.get_stats()["prefix_cache_hits"] > 0
     assert_no_leak(llm.engine)
 
 
