@@ -239,8 +239,9 @@ class ObjectChannel:
     of the next micro-batch while later stages still work. Each message is a length then the bytes,
     tagged by a counter both ends keep."""
 
-    def __init__(self, group: Any, peer: int) -> None:
+    def __init__(self, group: Any, peer: int, keep: int = 16) -> None:
         self.group, self.peer = group, peer
+        self.keep = keep  # sends left unwaited (messages; a command is two): more than the steps in flight
         self.count = 0
         self.pending: list[tuple[Any, torch.Tensor]] = []
 
@@ -257,7 +258,7 @@ class ObjectChannel:
         t_size, t_data = self._tags()
         self.pending.append((dist.isend(size, self.peer, group=self.group, tag=t_size), size))
         self.pending.append((dist.isend(data, self.peer, group=self.group, tag=t_data), data))
-        self.prune(16)
+        self.prune(self.keep)
 
     def recv(self) -> Any:
         import pickle

@@ -162,7 +162,6 @@ class PendingStep:
     out: ModelOutput
     work: Any = None  # dist.Work of the logits irecv (None: the step has no logits rows)
     buf: torch.Tensor | None = None
-    submitted_at: float = 0.0
 
 
 class PipelineParallelRunner(TensorParallelRunner):
@@ -181,7 +180,6 @@ class PipelineParallelRunner(TensorParallelRunner):
         self._seq = 0
         self._in_flight: set[int] = set()
         self.max_in_flight = 0  # the most steps in flight at once (submitted, logits not yet received)
-        self.num_submitted = 0
 
     def _serve_fn(self) -> Callable[..., None]:
         return _serve_pp
@@ -190,7 +188,8 @@ class PipelineParallelRunner(TensorParallelRunner):
         self.groups = init_pipeline_groups(0, self.tp_size, self.pp_size, self.bounds, self.bounds[-1][1], dev,
                                            store, config.enable_expert_parallel)
         self.tp = self.groups.world  # the control collectives (num_blocks, reports) span every rank
-        self._channels = [ObjectChannel(self.tp.control_group, r) for r in range(1, self.world_size)]
+        self._channels = [ObjectChannel(self.tp.control_group, r, keep=4 * self.pp_size)
+                          for r in range(1, self.world_size)]
 
     def _local_runner(self, config: EngineConfig, model_dir: Path, info: ModelInfo, dev: torch.device,
                       dtype: torch.dtype) -> ModelRunner:
@@ -221,7 +220,7 @@ class PipelineParallelRunner(TensorParallelRunner):
         out = self._mirrored("step", sched, lambda: self.local.execute(sched))
         seq = self._seq
         self._seq += 1
-        pending = PendingStep(seq, out, submitted_at=time.time())
+        pending = PendingStep(seq, out)
         rows = _pack(out).shape[0]
         if rows:
             pending.buf = torch.empty((rows, self.vocab_size), dtype=torch.float32, device=self.local.device)
@@ -230,7 +229,6 @@ class PipelineParallelRunner(TensorParallelRunner):
             except Exception as exc:
                 raise self._fail(exc, self._dead_workers(wait_s=2.0)) from exc
         self._in_flight.add(seq)
-        self.num_submitted += 1
         self.max_in_flight = max(self.max_in_flight, len(self._in_flight))
         return pending
 
