@@ -193,18 +193,46 @@ def test_pp2_matches_tp1_and_hf_overlaps_stages_and_accounts_blocks(llama):
     assert_gone(pids)
 
 
-@pytest.mark.parametrize("checkpoint, kw", [
-    ("tied", dict(max_num_batched_tokens=16, max_num_seqs=1)),  # prompts in chunks, one request at a time
-    ("moe", {}),
-])
-def test_pp2_greedy_equals_hf(request, checkpoint, kw):
-    path, expected = request.getfixturevalue(checkpoint)
-    llm = _pp(path, **kw)
+def test_pp2_moe_greedy_equals_hf(moe):
+    path, expected = moe
+    llm = _pp(path)
     pids = llm.engine.runner.worker_pids
     try:
         assert greedy_tokens(llm) == expected
     finally:
         llm.shutdown()
+    assert_gone(pids)
+
+
+def test_pp2_async_engine_concurrent_chunked_tied(tied):
+    """The serving loop (AsyncEngine) with concurrent streams, prompts in 16-token chunks, a tied LM head."""
+    import asyncio
+
+    from smollm2 import model_dir
+
+    from paged_backend.engine.async_engine import AsyncEngine
+
+    path, expected = tied
+    engine = AsyncEngine(EngineConfig(model=str(path), tokenizer=model_dir(), dtype="float32", device="cpu",
+                                      kv_cache_memory_bytes=1 << 20, log_stats_interval=0, seed=0,
+                                      pipeline_parallel_size=2, max_num_batched_tokens=16))
+    pids = engine.engine.runner.worker_pids
+    params = SamplingParams(max_tokens=len(expected[0]), temperature=0.0, ignore_eos=True)
+
+    async def one(i: int, prompt: list[int]) -> list[int]:
+        tokens: list[int] = []
+        async for delta in engine.generate(f"a{i}", prompt, params):
+            tokens += delta.outputs[0].token_ids if delta.outputs else []
+        return tokens
+
+    async def every() -> list[list[int]]:
+        return await asyncio.gather(*(one(i, p) for i, p in enumerate(PROMPTS)))
+
+    try:
+        assert asyncio.run(every()) == expected
+        assert engine.engine.pipeline.max_in_flight == 2
+    finally:
+        engine.shutdown()
     assert_gone(pids)
 
 
