@@ -10,6 +10,7 @@ model (``models/weight_loading.py`` maps the names both ways)::
                                          a decoder layer of the model's kind (routed experts when the model has
                                          them), with its own KV cache (one more cache layer over the same blocks)
     shared_head.norm.weight, shared_head.head.weight
+                                         (a checkpoint without the head: the model's LM head, as GLM-4.6's)
     embed_tokens.weight                  when stored, a copy of the model's: not loaded, the model's is used
 
 For position i, with h_i the model's last hidden state there before its final norm and t_{i+1} the next token::
@@ -98,3 +99,9 @@ class MultiTokenPredictor(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, spec_step: int = 0) -> torch.Tensor:
         """float32 [N, vocab]: the logits of the token after the next."""
         return self.layers[spec_step % self.num_layers].compute_logits(hidden)
+
+    def share_missing_heads(self, loaded: set[str], lm_head: nn.Module) -> None:
+        """A layer whose checkpoint has no ``shared_head.head`` (GLM-4.6 stores none) uses the model's LM head."""
+        for i, layer in enumerate(self.layers):
+            if f"mtp.layers.{i}.shared_head.head.weight" not in loaded:
+                layer.shared_head.head = lm_head

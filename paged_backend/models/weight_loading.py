@@ -122,7 +122,10 @@ def load_checkpoint_tensors(model: nn.Module, info: ModelInfo, weights: Iterable
             continue
         pname, shard = _target(info, name)
         _load_into(params, seen, name, pname, shard, tensor)
-    return {n for n, shards in seen.items() if n in buffers or _fully_loaded(params[n], shards)}
+    loaded = {n for n, shards in seen.items() if n in buffers or _fully_loaded(params[n], shards)}
+    if has_mtp:  # an MTP layer stored without its head shares the model's
+        model.mtp.share_missing_heads(loaded, model.lm_head)
+    return loaded
 
 
 def stage_weights(info: ModelInfo, stage: PPStage, weights: Iterable[tuple[str, torch.Tensor]]

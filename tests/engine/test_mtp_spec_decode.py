@@ -107,7 +107,7 @@ class MTPReference:
         block = {"model.layers.0." + n.removeprefix(mtp): t for n, t in tensors.items()
                  if n.startswith(mtp) and any(s in n for s in BLOCK_TENSORS)}
         block["model.norm.weight"] = tensors[mtp + "shared_head.norm.weight"]
-        block["lm_head.weight"] = tensors[mtp + "shared_head.head.weight"]
+        block["lm_head.weight"] = tensors.get(mtp + "shared_head.head.weight", tensors["lm_head.weight"])
         block["model.embed_tokens.weight"] = self.embed
         dst = tmp / "mtp-block"
         dst.mkdir()
@@ -291,6 +291,24 @@ def test_an_mtp_layer_that_predicts_well_gets_its_drafts_accepted(name, tmp_path
     assert stats.accepted_per_pos[0] >= stats.accepted_per_pos[1] >= stats.accepted_per_pos[2] > 0
     assert llm.engine.stats.num_steps < len(PROMPTS) * GREEDY.max_tokens // 2  # several tokens a step
     assert_no_leak(llm.engine)
+
+
+def test_an_mtp_layer_stored_without_its_head_uses_the_model_head(tmp_path) -> None:
+    """GLM-4.6 stores no shared_head.head: the layer shares the model's LM head (no second copy), and its
+    drafts are the formula's with that head."""
+    def drop_head(tensors: dict[str, torch.Tensor], L: int) -> None:
+        del tensors[f"model.layers.{L}.shared_head.head.weight"]
+
+    path = make_mtp_checkpoint(tmp_path, "glm4_moe", drop_head)
+    engine = tiny_llm(path, speculative_config=MTP).engine
+    model = engine.runner.model
+    assert model.mtp.layers[0].shared_head.head is model.lm_head
+    assert [n for n, _ in model.named_parameters() if n.endswith("head.weight")] == ["lm_head.weight"]
+    ref = MTPReference(path, tmp_path)
+    engine.add_request("a", PROMPTS[0], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    engine.step()
+    req = engine.scheduler.running[0]
+    assert req.spec_token_ids == ref.drafts(req.all_token_ids, 2)
 
 
 def test_mtp_needs_a_checkpoint_with_mtp_layers(tmp_path) -> None:
