@@ -170,11 +170,16 @@ class ModelRunner:
         for m in attns:  # a dummy batch must not set the fp8 scales
             m.calibrate_kv_scales = False
         with torch.inference_mode():
-            hidden = self.model(torch.zeros(num_tokens, dtype=torch.long, device=dev), pos, caches, meta)
-            self.model.compute_logits(hidden[: min(num_tokens, self.limits.max_num_seqs)])
+            self._profile_pass(torch.zeros(num_tokens, dtype=torch.long, device=dev), pos, caches, meta)
         for m in attns:
             m.calibrate_kv_scales = True
         del caches
+
+    def _profile_pass(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
+                      meta: AttentionMetadata) -> None:
+        """The dummy prefill's model pass and LM head (a pipeline stage runs its part of them)."""
+        hidden = self.model(input_ids, positions, caches, meta)
+        self.model.compute_logits(hidden[: min(input_ids.shape[0], self.limits.max_num_seqs)])
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         """The cache, then (on CUDA) the decode graphs that read it."""

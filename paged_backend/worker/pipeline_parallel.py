@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from paged_backend.attention import AttentionMetadata
 from paged_backend.config import EngineConfig
 from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.distributed import (
@@ -85,12 +86,19 @@ class PipelineStageRunner(ModelRunner):
     def _graphs_wanted(self) -> bool:
         return False  # CUDA graphs are not captured under pipeline parallelism
 
-    def _dummy_forward(self, num_tokens: int) -> None:
-        """The profiling prefill of a stage that does not embed or does not end: skipped, its
-        activations would come from another rank (the weights are still counted: CUDA then
-        profiles only the stage's weights)."""
-        if self.stage.is_first and self.stage.is_last:
-            super()._dummy_forward(num_tokens)
+    def _profile_pass(self, input_ids: torch.Tensor, positions: torch.Tensor, caches: list[torch.Tensor],
+                      meta: AttentionMetadata) -> None:
+        """The stage's part of the dummy prefill (CUDA's KV budget profiling, the prefill warm-up), on its
+        own: zero activations in where another stage would send them, nothing sent; the LM head on the
+        last stage (TP ranks of a stage profile together)."""
+        n = input_ids.shape[0]
+        intermediate = None
+        if not self.stage.is_first:
+            zeros = torch.zeros((n, self.info.hidden_size), dtype=self.dtype, device=self.device)
+            intermediate = (zeros, zeros.clone())
+        out = self.model(input_ids, positions, caches, meta, intermediate)
+        if self.stage.is_last:
+            self.model.compute_logits(out[: min(n, self.limits.max_num_seqs)])
 
     def execute(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor] | None = None) -> ModelOutput:
         if prev is not None:

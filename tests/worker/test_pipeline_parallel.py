@@ -129,6 +129,26 @@ def test_a_stage_builds_and_loads_only_its_layers(llama, tied):
     assert "model.embed_tokens.weight" in tied_last and "model.layers.0.mlp.down_proj.weight" not in tied_last
 
 
+def test_every_stage_runs_its_part_of_the_profiling_prefill_alone(llama):
+    """On CUDA each rank sizes its KV budget from a dummy prefill: a stage runs it without the others
+    (zero activations in, nothing sent: here no process group exists, so any send would fail)."""
+    import torch.distributed as dist
+
+    from paged_backend.distributed import PipelineGroups
+    from paged_backend.worker.pipeline_parallel import PipelineStageRunner
+
+    path, _ = llama
+    info = ModelInfo.from_dir(path)
+    config = EngineConfig(model=str(path), dtype="float32", device="cpu", pipeline_parallel_size=3)
+    for p, (start, end) in enumerate(partition_layers(3, 3)):
+        stage = PPStage(p, 3, 0, 1, start, end, 3)
+        runner = PipelineStageRunner(config, path, info, torch.device("cpu"), torch.float32,
+                                     PipelineGroups(None, None, stage))
+        assert len(runner.kv_specs) == 1 and (runner.model.lm_head is not None) == stage.is_last
+        runner.warm_up_prefill()
+    assert not dist.is_initialized()
+
+
 # -- PP = 2 ----------------------------------------------------------------------------------------
 
 
