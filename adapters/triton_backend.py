@@ -14,6 +14,15 @@ request fails UNAVAILABLE ("Model is unavailable due to unhealthy engine ..."); 
 parameter ``ENABLE_VLLM_HEALTH_CHECK`` (vllm_backend's) the model also unloads itself, so Triton
 reports it not ready (that needs ``--model-control-mode=explicit``, as in vllm_backend).
 Custom metrics (``REPORT_CUSTOM_METRICS``) stay off when model.json says ``disable_log_stats``.
+
+With several model instances (``instance_group`` count > 1: one stub process each) every instance is a
+front end of one shared engine core process (``engine_core_shared``; the model loads once): the first
+instance starts it, the others attach, the last one's ``finalize`` stops it. Each instance's custom
+metrics carry an ``instance`` label (two instances holding one Triton metric of the same labels free
+it twice at unload and crash the server): every instance observes its own requests, and the engine's
+gauges, counters and step tokens are published by one instance at a time (the core's
+``engine_core_publisher``; the others' gauges read 0 and their counters stand still), so a sum over
+``instance`` counts each once.
 """
 
 from __future__ import annotations
@@ -46,7 +55,9 @@ from .triton_protocol import (
     GenerateInputs,
     OutputState,
     engine_config_from_model_json,
+    instance_count,
     output_values,
+    shared_core_config,
     triton_error_code,
 )
 
@@ -86,6 +97,10 @@ class TritonPythonModel:
         if ignored:
             self.logger.log_warn(f"[paged-backend] ignoring vLLM engine arguments this engine does not use: "
                                  f"{ignored}")
+        config = shared_core_config(config, self.model_config)
+        if config.engine_core_shared:
+            self.logger.log_info(f"[paged-backend] {instance_count(self.model_config)} model instances: this one "
+                                 f"({args.get('model_instance_name')}) is a front end of the shared engine core")
         self.model_name = args["model_name"]
         self._health_check = self._param("ENABLE_VLLM_HEALTH_CHECK").lower() == "true"
         self._unhealthy = False
@@ -95,7 +110,10 @@ class TritonPythonModel:
             if config.disable_log_stats:  # as vllm_backend: no custom metrics without the engine's stats
                 self.logger.log_info("[paged-backend] custom metrics are off: disable_log_stats is set in model.json")
             else:
-                self.metrics = TritonMetrics.create({"model": self.model_name, "version": args["model_version"]},
+                labels = {"model": self.model_name, "version": args["model_version"]}
+                if config.engine_core_shared:  # Triton must not hold one metric for two instances (see above)
+                    labels["instance"] = args.get("model_instance_name", "")
+                self.metrics = TritonMetrics.create(labels,
                                                     self.logger)
         self.adapter = EngineAdapter(config, metrics=self.metrics)
         self.adapter.start()  # the model is loaded before Triton reports the model ready
@@ -340,7 +358,13 @@ class TritonMetrics:
 
     def update_from_stats(self, stats: dict[str, Any], step_tokens: list[int] = ()) -> None:
         """Gauges set, counters advanced by what the engine counted since the last update, the
-        engine steps since then observed (the poller and request ends both call this)."""
+        engine steps since then observed (the poller and request ends both call this).
+
+        Model instances on one shared engine core: only the core's ``engine_core_publisher`` sets the
+        gauges, advances the counters and observes the steps; the others keep their gauges at 0 and
+        their last values current, so whichever takes over counts on from there."""
+        publisher = stats.get("engine_core_publisher")
+        publish = publisher is None or publisher == stats.get("engine_core_client")
         with self.lock:
             for spec in METRICS:
                 if spec.stat is None or spec.stat not in stats:
@@ -348,22 +372,26 @@ class TritonMetrics:
                 if spec.name == SPEC_ACCEPTED_PER_POS:
                     for pos, count in enumerate(stats[spec.stat]):
                         self._advance(f"{spec.name}/{pos}", float(count), lambda p=pos, f=self.families[
-                            spec.name]: f.Metric(labels={**self.labels, "position": str(p)}))
+                            spec.name]: f.Metric(labels={**self.labels, "position": str(p)}), publish)
                     continue
                 value = float(stats[spec.stat] or 0)
                 if spec.kind == "gauge":
-                    self.metrics[spec.name].set(value)
+                    self.metrics[spec.name].set(value if publish else 0.0)
                 else:
-                    self._advance(spec.name, value, lambda f=self.families[spec.name]: f.Metric(labels=self.labels))
-            hist = self.metrics[ITERATION_TOKENS]
-            for n in step_tokens:
-                hist.observe(float(n))
+                    self._advance(spec.name, value, lambda f=self.families[spec.name]: f.Metric(labels=self.labels),
+                                  publish)
+            if publish:
+                hist = self.metrics[ITERATION_TOKENS]
+                for n in step_tokens:
+                    hist.observe(float(n))
 
-    def _advance(self, key: str, value: float, make: Any) -> None:
+    def _advance(self, key: str, value: float, make: Any, publish: bool = True) -> None:
         """The counter ``key`` advanced to ``value`` (one missing is made by ``make()``: per-position
-        counters appear with their position)."""
+        counters appear with their position); not ``publish``: only its last value noted."""
         step = value - self.last.get(key, 0.0)
-        if step > 0:
+        if step > 0 and not publish:
+            self.last[key] = value
+        elif step > 0:
             metric = self.metrics.get(key)
             if metric is None:
                 metric = self.metrics[key] = make()

@@ -88,6 +88,21 @@ OFF_ONLY_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
 _DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
 
+def instance_count(model_config: Mapping[str, Any]) -> int:
+    """How many instances of the model Triton runs: the ``instance_group`` counts (each times its listed
+    ``gpus``); one when unset. (``KIND_GPU`` without ``gpus`` runs ``count`` on every GPU: counted once.)"""
+    groups = model_config.get("instance_group") or [{}]
+    return sum(int(g.get("count") or 1) * max(1, len(g.get("gpus") or [])) for g in groups)
+
+
+def shared_core_config(config: EngineConfig, model_config: Mapping[str, Any]) -> EngineConfig:
+    """``config`` for one model instance: with several instances they are front ends of one shared engine
+    core process (``engine_core_shared``), so the model loads once."""
+    if instance_count(model_config) > 1 and not config.engine_core_shared:
+        return config.model_copy(update={"engine_core_shared": True})
+    return config
+
+
 def _vllm_to_engine_config(args: Mapping[str, Any]) -> dict[str, Any]:
     """vLLM's spellings mapped onto EngineConfig's: ``dtype: "half"``, ``served_model_name`` as a list."""
     fields = dict(args)

@@ -33,17 +33,18 @@ __all__ = ["TritonPythonModel"]
 '''
 
 
-def config_pbtxt(*, instance_kind: str = "KIND_MODEL", report_metrics: bool = True,
+def config_pbtxt(*, instance_kind: str = "KIND_MODEL", instance_count: int = 1, report_metrics: bool = True,
                  health_check: bool = False) -> str:
     """The model configuration; inputs and outputs are filled by ``auto_complete_config``.
 
     ``health_check`` sets vllm_backend's ``ENABLE_VLLM_HEALTH_CHECK``: a dead engine unloads the
-    model (Triton reports it not ready; the server needs ``--model-control-mode=explicit``)."""
+    model (Triton reports it not ready; the server needs ``--model-control-mode=explicit``).
+    ``instance_count`` > 1: that many model instances, front ends of one shared engine core process."""
     text = (
         'backend: "python"\n'
         "max_batch_size: 0\n"
         "model_transaction_policy {\n  decoupled: true\n}\n"
-        f"instance_group [\n  {{\n    count: 1\n    kind: {instance_kind}\n  }}\n]\n"
+        f"instance_group [\n  {{\n    count: {instance_count}\n    kind: {instance_kind}\n  }}\n]\n"
         "parameters {\n"
         '  key: "REPORT_CUSTOM_METRICS"\n'
         f'  value: {{ string_value: "{"true" if report_metrics else "false"}" }}\n'
@@ -56,15 +57,15 @@ def config_pbtxt(*, instance_kind: str = "KIND_MODEL", report_metrics: bool = Tr
 
 def write_model_repository(repo: str | Path, *, model_name: str = DEFAULT_MODEL_NAME,
                            engine_args: Mapping[str, Any] | None = None, instance_kind: str = "KIND_MODEL",
-                           report_metrics: bool = True, health_check: bool = False) -> Path:
+                           instance_count: int = 1, report_metrics: bool = True, health_check: bool = False) -> Path:
     """Write (or overwrite) one model into ``repo``; returns the model's directory."""
     args = dict(DEFAULT_ENGINE_ARGS if engine_args is None else engine_args)
     engine_config_from_model_json(args)  # refuse a model.json the backend would refuse
     model_dir = Path(repo) / model_name
     version = model_dir / "1"
     version.mkdir(parents=True, exist_ok=True)
-    (model_dir / "config.pbtxt").write_text(config_pbtxt(instance_kind=instance_kind, report_metrics=report_metrics,
-                                                         health_check=health_check))
+    (model_dir / "config.pbtxt").write_text(config_pbtxt(instance_kind=instance_kind, instance_count=instance_count,
+                                                         report_metrics=report_metrics, health_check=health_check))
     (version / "model.py").write_text(_MODEL_PY)
     (version / MODEL_JSON).write_text(json.dumps(args, indent=2) + "\n")
     return model_dir
@@ -86,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--engine-arg", action="append", default=[], metavar="KEY=VALUE",
                    help="an engine argument for model.json (vLLM's names), repeatable")
     p.add_argument("--instance-kind", default="KIND_MODEL", choices=["KIND_MODEL", "KIND_GPU", "KIND_CPU"])
+    p.add_argument("--instance-count", type=int, default=1,
+                   help="model instances (instance_group count); more than 1 share one engine core process")
     p.add_argument("--no-metrics", action="store_true", help="do not publish the vllm:* custom metrics")
     p.add_argument("--health-check", action="store_true",
                    help="ENABLE_VLLM_HEALTH_CHECK: a dead engine unloads the model (needs "
@@ -98,7 +101,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--engine-arg wants KEY=VALUE, got {item!r}")
         args[key.strip()] = _parse_value(value)
     model_dir = write_model_repository(ns.repository, model_name=ns.model_name, engine_args=args,
-                                       instance_kind=ns.instance_kind, report_metrics=not ns.no_metrics,
+                                       instance_kind=ns.instance_kind, instance_count=ns.instance_count,
+                                       report_metrics=not ns.no_metrics,
                                        health_check=ns.health_check)
     print(model_dir)
     return 0

@@ -285,8 +285,9 @@ class EngineCoreClient(EngineFrontEnd):
         return dict(self._info)
 
     def stats(self) -> dict:
+        """The core's last stats, with this front end's id there (``engine_core_client``)."""
         with self._lock:
-            return dict(self._stats)
+            return {**self._stats, "engine_core_client": self._client_id}
 
     def take_step_tokens(self) -> list[int]:
         """Tokens of each engine step since the last call (vLLM's iteration_tokens_total)."""
@@ -318,6 +319,7 @@ class EngineCoreClient(EngineFrontEnd):
             sender.join(timeout)
             if done.wait(timeout):  # answered before the core closed our connection
                 remaining = self._ack_values.pop(ack, {}).get("num_clients", 0)
+            self._reader.join(timeout)  # it reads the end of the connection: closed after that
         proc = self._proc
         if isinstance(proc, BaseProcess):  # private: it stops now
             proc.join(timeout if running else 1.0)
@@ -331,8 +333,7 @@ class EngineCoreClient(EngineFrontEnd):
                 except subprocess.TimeoutExpired:
                     proc.kill()
                     proc.wait(5.0)
-            else:  # others still use it: reap it once it exits
-                threading.Thread(target=proc.wait, name="paged-backend-core-reap", daemon=True).start()
+            # else others still use it: it exits after the last of them
         if self._conn is not None:
             self._conn.close()
         self._fail_all(EngineDeadError("the engine was shut down"))

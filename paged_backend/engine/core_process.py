@@ -202,7 +202,7 @@ class EngineCore:
         client = CoreClient(next(self._ids), conn)
         info = {**self.engine.model_info(), "engine_core_pid": os.getpid()}
         try:
-            conn.send(CoreStarted(info, self._stats(len(self.clients) + 1), os.getpid(), client.cid))
+            conn.send(CoreStarted(info, self._stats(client.cid), os.getpid(), client.cid))
         except OSError:  # gone already
             conn.close()
             return
@@ -310,9 +310,14 @@ class EngineCore:
             out.prompt, out.prompt_token_ids = None, []
             client.pending.outputs.append(out)
 
-    def _stats(self, num_clients: int | None = None) -> dict:
+    def _stats(self, joining: int | None = None) -> dict:
+        """The engine's stats, the number of front ends (with ``joining``, one being adopted), and which one
+        publishes the engine-wide metrics where front ends share one metrics registry (Triton's model
+        instances): the first still attached."""
+        ids = set(self.clients) if joining is None else {*self.clients, joining}
         stats = self.engine.get_stats()
-        stats["engine_core_clients"] = len(self.clients) if num_clients is None else num_clients
+        stats["engine_core_clients"] = len(ids)
+        stats["engine_core_publisher"] = min(ids, default=None)
         return stats
 
     def _send(self, *, everyone: bool) -> None:

@@ -40,17 +40,21 @@ def _core_children() -> set[int]:
     return out
 
 
+def _cli_config(*argv: str) -> EngineConfig:
+    import argparse
+
+    from paged_backend.engine_args import add_engine_args, engine_config_from_args
+
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    return engine_config_from_args(parser.parse_args(list(argv)))
+
+
 @pytest.mark.parametrize("source", ["cli", "bentoml", "triton"])
 def test_the_flag_reaches_the_config_from_every_front_end(source):
     if source == "cli":
-        import argparse
-
-        from paged_backend.engine_args import add_engine_args, engine_config_from_args
-
-        parser = argparse.ArgumentParser()
-        add_engine_args(parser)
-        assert not engine_config_from_args(parser.parse_args([])).engine_core_process
-        config = engine_config_from_args(parser.parse_args(["--engine-core-process"]))
+        assert not _cli_config().engine_core_process
+        config = _cli_config("--engine-core-process")
     elif source == "bentoml":
         from paged_backend.adapters.bentoml_service import ServeArgs
 
@@ -62,6 +66,31 @@ def test_the_flag_reaches_the_config_from_every_front_end(source):
         config, ignored = engine_config_from_model_json({"model": "SmolLM2-135M-Instruct", "engine_core_process": True})
         assert not ignored
     assert config.engine_core_process is True
+
+
+@pytest.mark.parametrize("source", ["cli", "bentoml", "triton"])
+def test_several_front_ends_turn_the_shared_core_on(source):
+    """--engine-core-shared; BentoML workers > 1; Triton instance_group count > 1 (one count, or gpus)."""
+    if source == "cli":
+        assert not _cli_config().engine_core_shared
+        assert _cli_config("--engine-core-shared").engine_core_shared
+    elif source == "bentoml":
+        from paged_backend.adapters.bentoml_service import ServeArgs, service_config
+
+        assert not ServeArgs(device="cpu").engine_config().engine_core_shared
+        args = ServeArgs(device="cpu", workers=3)
+        assert args.engine_config().engine_core_shared and service_config(args)["workers"] == 3
+    else:
+        from paged_backend.adapters.triton_protocol import instance_count, shared_core_config
+
+        config = EngineConfig(model="SmolLM2-135M-Instruct")
+        one = {"instance_group": [{"count": 1, "kind": "KIND_MODEL"}]}
+        assert instance_count({}) == instance_count(one) == 1
+        assert not shared_core_config(config, one).engine_core_shared
+        for several in ({"instance_group": [{"count": 2, "kind": "KIND_CPU"}]},
+                        {"instance_group": [{"count": 1, "kind": "KIND_GPU", "gpus": [0, 1]}]}):
+            assert instance_count(several) == 2
+            assert shared_core_config(config, several).engine_core_shared
 
 
 @pytest.fixture(scope="module")
