@@ -58,8 +58,8 @@ class ModelRunner:
         # memory other engines / programs held before this one loaded (not ours to count)
         self._mem_before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         ops = get_kernel_ops(device, "torch" if config.attention_backend == "torch" else "auto")
-        spec = config.speculative_config
-        mtp = spec is not None and spec.method == "mtp"  # the checkpoint's MTP layers propose drafts
+        # speculative decoding's "mtp": the checkpoint's multi-token-prediction layers propose the drafts
+        mtp = config.speculative_config is not None and config.speculative_config.method == "mtp"
         self.model = load_model(model_dir, info, dtype, device, self.attn_backend, config.load_format, ops=ops,
                                 quantization=config.quantization, mtp=mtp, tp=tp, pp=pp)
         self.kv_dtype = FP8_DTYPE if config.fp8_kv else dtype
