@@ -45,7 +45,8 @@ BLOCK_TENSORS = (".self_attn.", ".mlp.", ".input_layernorm.", ".post_attention_l
 
 def write_mtp_layer(path: Path, edit=None) -> None:
     """MTP layer ``L`` as DeepSeek-V3 / GLM-4.5 checkpoints store it: layer L - 1's decoder block perturbed,
-    random enorm / hnorm / eh_proj / shared_head, a copy of the embedding (which the engine does not load);
+    random enorm / hnorm / eh_proj / shared_head, and an embedding (zeros here: the engine uses the model's, as
+    vLLM does, so the formula test shows that this one is never read);
     ``edit(tensors, L)`` may rewrite the result. Sets num_nextn_predict_layers: 1."""
     cfg = json.loads((path / "config.json").read_text())
     layers, hidden = cfg["num_hidden_layers"], cfg["hidden_size"]
@@ -62,7 +63,7 @@ def write_mtp_layer(path: Path, edit=None) -> None:
     out[mtp + "eh_proj.weight"] = noise(torch.zeros(hidden, 2 * hidden), 0.1)
     out[mtp + "shared_head.norm.weight"] = noise(torch.ones(hidden), 0.2)
     out[mtp + "shared_head.head.weight"] = noise(tensors["lm_head.weight"], 0.05)
-    out[mtp + "embed_tokens.weight"] = tensors["model.embed_tokens.weight"].clone()
+    out[mtp + "embed_tokens.weight"] = torch.zeros_like(tensors["model.embed_tokens.weight"])
     tensors.update(out)
     if edit is not None:
         edit(tensors, layers)
