@@ -75,6 +75,11 @@ def run_dir() -> Path:
         path = os.path.join(xdg, "paged-backend") if xdg else os.path.join(tempfile.gettempdir(),
                                                                             f"paged-backend-{os.getuid()}")
     os.makedirs(path, mode=0o700, exist_ok=True)
+    st = os.stat(path)
+    if st.st_uid != os.getuid() or st.st_mode & 0o077:  # the key file must not be readable by others
+        raise PermissionError(f"the engine core run directory {path} must belong to this user (uid {os.getuid()}) "
+                              f"and be private (mode 0700), it is uid {st.st_uid}, mode {st.st_mode & 0o777:o}; set "
+                              f"{RUN_DIR_ENV} to another directory")
     return Path(path)
 
 

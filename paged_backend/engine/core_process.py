@@ -134,7 +134,7 @@ def serve_engine_core(config: EngineConfig, address: str, authkey: bytes, lock_p
         engine = LLMEngine(config)
     except BaseException as exc:
         logger.exception("the engine core failed to start")
-        listener.close()
+        acceptor.close()
         for conn in acceptor.take():  # the front end that started it waits for this answer
             conn.send(portable(exc))
         return
@@ -144,7 +144,7 @@ def serve_engine_core(config: EngineConfig, address: str, authkey: bytes, lock_p
         with frozen_heap():
             core.run()
     finally:
-        listener.close()
+        acceptor.close()
         engine.shutdown()
 
 
@@ -153,22 +153,27 @@ class Acceptor:
 
     def __init__(self, listener: Listener) -> None:
         self.listener = listener
+        self.closed = False
         self.accepted: queue.SimpleQueue[Connection] = queue.SimpleQueue()
         self.wake_r, self.wake_w = os.pipe()
         os.set_blocking(self.wake_r, False)
         threading.Thread(target=self._accept_loop, name="paged-backend-core-accept", daemon=True).start()
 
     def _accept_loop(self) -> None:
-        while True:
+        while not self.closed:
             try:
                 conn = self.listener.accept()
-            except OSError:  # closed: the core is exiting
-                return
-            except Exception:  # a connection that failed authentication: not a front end
-                logger.warning("refused a connection to the engine core", exc_info=True)
+            except Exception as exc:  # closed (the core is exiting), or a peer that failed the handshake
+                if not self.closed:
+                    logger.warning("refused a connection to the engine core: %r", exc)
                 continue
             self.accepted.put(conn)
             os.write(self.wake_w, b"\0")
+
+    def close(self) -> None:
+        """Stop listening (the socket file goes)."""
+        self.closed = True
+        self.listener.close()
 
     def take(self) -> list[Connection]:
         try:
@@ -194,7 +199,7 @@ class EngineCore:
         self.clients: dict[int, CoreClient] = {}
         self._by_conn: dict[Connection, CoreClient] = {}
         self._ids = itertools.count()
-        self._changed = False  # a front end attached or left: every client gets the stats (engine_core_clients)
+        self._changed = False  # a front end attached or left, a request was aborted: every client gets the stats
         self.stopped = False
 
     def adopt(self, conn: Connection) -> None:
@@ -265,7 +270,7 @@ class EngineCore:
                 if self.clients:
                     fcntl.flock(lock, fcntl.LOCK_UN)
                     return True
-                self.acceptor.listener.close()  # the socket file goes: the next front end starts a new core
+                self.acceptor.close()  # the socket file goes: the next front end starts a new core
                 logger.info("the last front end detached: the engine core exits")
                 return False  # the lock goes with the file
 
@@ -348,6 +353,7 @@ class EngineCore:
                 client.requests.discard(rid)
                 if final is not None:
                     self._route([final])
+                    self._changed = True  # no step may follow: every front end's stats must say so
                 if cmd[2] is not None:
                     client.pending.acks.append((cmd[2], None))
             elif kind == "state":

@@ -94,5 +94,20 @@ def test_workers_share_one_engine_core(tmp_path, offline):
                                                           max_retries=0, timeout=300).completions.create(
                 model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0).choices[0].text, range(6)))
         assert texts == [want[0].outputs[0].text] * 6
+
+        # a client leaving mid-stream: its worker aborts the request, the core frees its blocks, every worker sees it
+        before = stats
+        body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 400, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=120) as http, http.stream("POST", f"{server.url}/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            next(line for line in resp.iter_lines() if line.startswith("data: "))
+        seen = {}
+        while set(seen) != set(cores) and time.monotonic() < deadline:  # both workers' views
+            stats = httpx.post(f"{server.url}/stats", json={}, timeout=30).json()
+            if stats["num_aborted_total"] == before["num_aborted_total"] + 1:
+                seen[stats["worker_pid"]] = stats
+        assert set(seen) == set(cores)
+        for stats in seen.values():
+            assert stats["num_running"] == 0 and stats["num_free_blocks"] == stats["model"]["num_gpu_blocks"]
     psutil.wait_procs(tree, timeout=15)
     assert not [p.pid for p in tree if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

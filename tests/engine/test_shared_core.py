@@ -6,9 +6,12 @@ every front end's requests and health, and the core leaves with its last front e
 from __future__ import annotations
 
 import asyncio
+import socket
 import subprocess
 import sys
 import time
+from multiprocessing import AuthenticationError
+from multiprocessing.connection import Client
 
 import psutil
 import pytest
@@ -70,6 +73,11 @@ def test_two_front_ends_on_one_core_same_ids_and_last_one_out_stops_it():
         in_process.shutdown()
 
     a = EngineCoreClient(config)
+    paths = CorePaths.of(config)
+    with pytest.raises(AuthenticationError):  # not a front end: refused, and the core goes on accepting
+        Client(str(paths.socket), family="AF_UNIX", authkey=b"wrong")
+    with socket.socket(socket.AF_UNIX) as s:  # connects, then leaves during the handshake
+        s.connect(str(paths.socket))
     b = EngineCoreClient(config)
     try:
         assert a.pid == b.pid and a.client_id != b.client_id
@@ -200,3 +208,13 @@ def test_a_shared_core_that_cannot_start_raises_its_error_in_the_front_end():
     with pytest.raises(ValueError, match="not divisible by tensor_parallel_size"):
         EngineCoreClient(config)
     assert not _core_processes() and not CorePaths.of(config).socket.exists()
+
+
+def test_a_run_directory_others_can_read_is_refused(run_dir):
+    from paged_backend.engine.core_client import run_dir as core_run_dir
+
+    assert core_run_dir() == run_dir and not run_dir.stat().st_mode & 0o077
+    run_dir.chmod(0o755)  # the key file would be for everyone to find
+    with pytest.raises(PermissionError, match="must belong to this user"):
+        EngineCoreClient(EngineConfig(**_args(engine_core_shared=True)))
+    assert not _core_processes()
