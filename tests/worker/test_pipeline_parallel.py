@@ -186,6 +186,11 @@ def test_pp2_matches_tp1_and_hf_overlaps_stages_and_accounts_blocks(llama):
                         ref.prompt_logprobs[1:] + ref.outputs[0].logprobs, strict=True):
             assert a.keys() == b.keys() and all(abs(a[k] - b[k]) < 1e-4 for k in a)
 
+        # n = 2: the samples fork when the prompt's step lands (forked blocks, copy-on-write on every stage)
+        outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=len(expected[0]), temperature=0.0, ignore_eos=True,
+                                                        n=2), use_tqdm=False)
+        assert [[c.token_ids for c in o.outputs] for o in outs] == [[exp, exp] for exp in expected[:2]]
+
         # aborts, some with a step in flight: every rank holds exactly the blocks rank 0 handed out
         for i, p in enumerate(PROMPTS):
             engine.add_request(f"r{i}", p, LONG)
