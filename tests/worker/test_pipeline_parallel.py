@@ -229,6 +229,21 @@ def test_pp2_moe_greedy_equals_hf(moe):
     assert_gone(pids)
 
 
+def test_pp2_preemption_with_steps_in_flight_keeps_the_tokens(llama):
+    """A cache so small that requests are preempted (with these limits, one of them while its token is in
+    flight: it is readmitted once the token lands)."""
+    path, expected = llama
+    llm = tiny_llm(path, pipeline_parallel_size=2, num_gpu_blocks_override=7, max_num_batched_tokens=16)
+    pids = llm.engine.runner.worker_pids
+    try:
+        assert greedy_tokens(llm) == expected
+        assert llm.engine.stats.num_preemptions_total > 0
+        assert llm.engine.kv.num_free_blocks == llm.engine.kv.block_pool.num_total_usable
+    finally:
+        llm.shutdown()
+    assert_gone(pids)
+
+
 def test_pp2_async_engine_concurrent_chunked_tied(tied):
     """The serving loop (AsyncEngine) with concurrent streams, prompts in 16-token chunks, a tied LM head."""
     import asyncio
