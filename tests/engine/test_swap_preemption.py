@@ -5,6 +5,7 @@ transformers', and aborts in every state leave both tiers' pools whole."""
 from __future__ import annotations
 
 import pytest
+from paged_backend.adapters.metrics import PrometheusMetrics
 from smollm2 import MAX_NEW, PROMPTS, assert_no_leak, hf_greedy, make_llm
 
 from paged_backend import SamplingParams
@@ -50,6 +51,7 @@ def test_aborts_in_every_state_free_both_tiers():
             seen.add("swapped")
             req = sched.swapped[0]
             assert req.status == RequestStatus.SWAPPED and engine.swap.host_block_ids(req.request_id)
+            assert swapped_gauge(engine) == sched.num_swapped >= 1
             engine.abort_request(req.request_id)
         elif sched.running and "running" not in seen and "swapped" in seen:
             req = sched.running[-1]
@@ -64,3 +66,28 @@ def test_aborts_in_every_state_free_both_tiers():
         engine.abort_request(rid)
     assert_no_leak(engine)
     assert_host_free(engine)
+    assert swapped_gauge(engine) == 0
+    # the same load again, untouched until a request comes back from the host: aborted right after the
+    # step that queued its host -> device copies
+    for i, p in enumerate(PROMPTS):
+        engine.add_request(f"s{i}", p, SamplingParams(max_tokens=40, temperature=0.0))
+    sched = engine.scheduler
+    while engine.has_unfinished_requests() and "swapped_in" not in seen:
+        was_swapped = {r.request_id for r in sched.swapped}
+        engine.step()
+        back = [r for r in sched.running if r.request_id in was_swapped]
+        if back:
+            seen.add("swapped_in")
+            engine.abort_request(back[0].request_id)
+    assert "swapped_in" in seen
+    for rid in list(engine.groups):
+        engine.abort_request(rid)
+    assert_no_leak(engine)
+    assert_host_free(engine)
+
+
+def swapped_gauge(engine) -> float:
+    """vllm:num_requests_swapped as the adapters' Prometheus endpoint renders it from the engine's stats."""
+    text = PrometheusMetrics("m", engine.get_stats).render()
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("vllm:num_requests_swapped{")]
+    return float(line.rsplit(" ", 1)[1])
