@@ -84,7 +84,7 @@ def service_config(args: ServeArgs) -> dict[str, Any]:
         traffic["max_concurrency"] = args.max_concurrency
     resources: dict[str, Any] = {}
     if args.wants_gpu():
-        resources["gpu"] = args.tensor_parallel_size
+        resources["gpu"] = args.tensor_parallel_size * args.pipeline_parallel_size
         if args.gpu_type:
             resources["gpu_type"] = args.gpu_type
     config: dict[str, Any] = {

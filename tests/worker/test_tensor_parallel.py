@@ -372,8 +372,10 @@ def test_cli_bentoml_and_triton_pass_tensor_parallel_size_and_expert_parallel():
     assert engine_config_from_args(args).tensor_parallel_size == 2
     assert service_config(ServeArgs(device="cuda", tensor_parallel_size=4))["resources"]["gpu"] == 4
     assert service_config(ServeArgs(device="cpu", tensor_parallel_size=4))["resources"] == {}
-    config, _ = engine_config_from_model_json({"model": "m", "tensor_parallel_size": 2})
-    assert config.tensor_parallel_size == 2
+    pp = ServeArgs(device="cuda", tensor_parallel_size=2, pipeline_parallel_size=3)
+    assert service_config(pp)["resources"]["gpu"] == 6 and pp.engine_config().pipeline_parallel_size == 3
+    config, _ = engine_config_from_model_json({"model": "m", "tensor_parallel_size": 2, "pipeline_parallel_size": 2})
+    assert (config.tensor_parallel_size, config.pipeline_parallel_size) == (2, 2)
     args = build_parser().parse_args(["generate", "hi", "--tensor-parallel-size", "2", "--enable-expert-parallel"])
     assert engine_config_from_args(args).enable_expert_parallel
     assert not engine_config_from_args(build_parser().parse_args(["generate", "hi"])).enable_expert_parallel
