@@ -331,14 +331,13 @@ class EngineCoreClient(EngineFrontEnd):
             if proc.exitcode is None:  # it ignores SIGTERM (see core_process.py)
                 proc.kill()
                 proc.join(5.0)
-        elif proc is not None:  # shared, started here: it stops when its last front end has gone
-            if remaining == 0:
-                try:
-                    proc.wait(timeout if running else 1.0)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5.0)
-            # else others still use it: it exits after the last of them
+        elif proc is not None and remaining == 0:  # shared, started here, and we were its last front end
+            try:
+                proc.wait(timeout if running else 1.0)
+            except subprocess.TimeoutExpired:  # not killed: a front end may have attached to it meanwhile
+                logger.warning("the engine core process %d has not exited %.0fs after its last front end "
+                               "detached", proc.pid, timeout)
+        # (shared, others still attached: it exits after the last of them)
         if self._conn is not None:
             self._conn.close()
         self._fail_all(EngineDeadError("the engine was shut down"))

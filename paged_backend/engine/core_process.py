@@ -39,6 +39,7 @@ import queue
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, Listener, wait
 from typing import Any
@@ -166,6 +167,7 @@ class Acceptor:
             except Exception as exc:  # closed (the core is exiting), or a peer that failed the handshake
                 if not self.closed:
                     logger.warning("refused a connection to the engine core: %r", exc)
+                    time.sleep(0.01)  # not a busy loop when accepting itself fails (out of descriptors)
                 continue
             self.accepted.put(conn)
             os.write(self.wake_w, b"\0")
@@ -231,8 +233,8 @@ class EngineCore:
                     if isinstance(ready, int):
                         for conn in self.acceptor.take():  # type: ignore[union-attr]
                             self.adopt(conn)
-                    else:
-                        self._read(self._by_conn[ready])
+                    elif (client := self._by_conn.get(ready)) is not None:
+                        self._read(client)
                 if self.stopped:
                     break
                 if engine.has_unfinished_requests():
