@@ -76,7 +76,6 @@ IGNORED_VLLM_ARGS = frozenset({
 OFF_ONLY_VLLM_ARGS: dict[str, tuple[Any, ...]] = {
     "enable_lora": (None, False, "false", "False"),
     "enable_prompt_adapter": (None, False, "false", "False"),
-    "pipeline_parallel_size": (None, 1, "1"),
     "data_parallel_size": (None, 1, "1"),
     "speculative_model": (None, ""),
     "num_speculative_tokens": (None, 0, "0"),

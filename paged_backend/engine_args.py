@@ -81,7 +81,8 @@ _ENGINE_BOOLS: dict[str, tuple[str, bool, str]] = {
                               "the HTTP front end and the engine loop then do not share a GIL; default: a "
                               "thread of the serving process)"),
     "--engine-core-shared": ("engine_core_shared", True, "one engine core process shared by every front-end "
-                             "process of this configuration (the first starts it, the others attach)"),
+                             "process of this configuration (the first starts it, the others attach; default: "
+                             "one core per front end)"),
 }
 
 

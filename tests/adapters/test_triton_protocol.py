@@ -88,15 +88,16 @@ def test_model_json_uses_vllm_names_and_ignores_vllm_only_flags():
         engine_config_from_model_json({"model": "m", "no_such_vllm_argument": "x"})
     # vLLM engine arguments for features left off load (ignored); switched on they are refused, named
     cfg, ignored = engine_config_from_model_json({"model": "m", "enable_lora": False, "disable_log_stats": True,
-                                                  "pipeline_parallel_size": 1, "max_loras": 4, "cpu_offload_gb": 0,
+                                                  "data_parallel_size": 1, "max_loras": 4, "cpu_offload_gb": 0,
                                                   "dtype": "half", "served_model_name": ["llm"]})
-    assert ignored == ["cpu_offload_gb", "enable_lora", "max_loras", "pipeline_parallel_size"]
+    assert ignored == ["cpu_offload_gb", "data_parallel_size", "enable_lora", "max_loras"]
     assert cfg.disable_log_stats and cfg.dtype == "float16" and cfg.name == "llm"
-    for key, value, off in [("enable_lora", True, "false"), ("pipeline_parallel_size", 2, "1"),
-                            ("data_parallel_size", 2, "1")]:
+    for key, value, off in [("enable_lora", True, "false"), ("data_parallel_size", 2, "1")]:
         with pytest.raises(AdapterError) as ei:
             engine_config_from_model_json({"model": "m", key: value})
         assert ei.value.param == key and f"leave it off ({key}: {off})" in ei.value.message
+    cfg, _ = engine_config_from_model_json({"model": "m", "pipeline_parallel_size": 2})  # implemented now
+    assert cfg.pipeline_parallel_size == 2
     cfg, _ = engine_config_from_model_json({"model": "m", "speculative_config": {"method": "ngram",
                                                                               "num_speculative_tokens": 2}})
     assert cfg.speculative_config is not None and cfg.speculative_config.num_speculative_tokens == 2

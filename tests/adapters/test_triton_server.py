@@ -26,7 +26,7 @@ GREEDY = {"max_tokens": 10, "temperature": 0}
 # a model.json as vLLM users write them: vLLM engine arguments this engine does not use, stats off
 QUIET = "paged_llm_quiet"
 QUIET_ARGS = {**DEFAULT_ENGINE_ARGS, "max_model_len": 256, "num_gpu_blocks_override": 32, "enable_lora": False,
-              "max_loras": 1, "disable_log_stats": True, "cpu_offload_gb": 0, "pipeline_parallel_size": 1}
+              "max_loras": 1, "disable_log_stats": True, "cpu_offload_gb": 0, "data_parallel_size": 1}
 # ENABLE_VLLM_HEALTH_CHECK on; its model.py breaks the engine's step when asked (the way in for the test)
 BREAKABLE = "paged_llm_breakable"
 BREAK_PROMPT = "break the engine"
@@ -419,7 +419,7 @@ def test_vllm_engine_arguments_left_off_load_with_a_warning_and_disable_log_stat
     assert resp.status_code == 200, resp.text
     log = server.log_tail(5_000_000)
     assert ("ignoring vLLM engine arguments this engine does not use: "
-            "['cpu_offload_gb', 'enable_lora', 'max_loras', 'pipeline_parallel_size']") in log
+            "['cpu_offload_gb', 'data_parallel_size', 'enable_lora', 'max_loras']") in log
     assert "custom metrics are off: disable_log_stats is set in model.json" in log
     vllm = [line for line in httpx.get(server.metrics_url, timeout=30).text.splitlines() if line.startswith("vllm:")]
     assert any(f'model="{MODEL}"' in line for line in vllm)
