@@ -76,14 +76,35 @@ class KVCacheSpec:
 
     def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
         """Block ``s`` of ``src_cache`` copied onto block ``d`` of ``dst_cache`` for each (s, d): one
-        tier to the other (device <-> host), same layout. Between devices each block is one
-        non-blocking copy (pinned host memory: asynchronous on the current stream); within one
-        device, a gather and a scatter."""
+        tier to the other (device <-> host), same layout. Between devices each run of consecutive
+        blocks (s, d), (s + 1, d + 1) ... is one non-blocking copy per contiguous part (K and V apart
+        for a per-head cache), so that with pinned host memory every copy is asynchronous on the
+        current stream (a non-contiguous one would go through a pageable temporary and wait); within
+        one device, a gather and a scatter."""
         dim = self.block_dim
         if src_cache.device == dst_cache.device:
             src = torch.tensor([p[0] for p in pairs], device=src_cache.device)
             dst = torch.tensor([p[1] for p in pairs], device=dst_cache.device)
             dst_cache.index_copy_(dim, dst, src_cache.index_select(dim, src))
             return
-        for s, d in pairs:
-            dst_cache.select(dim, d).copy_(src_cache.select(dim, s), non_blocking=True)
+        self.copy_block_runs(src_cache, dst_cache, pairs)
+
+    def copy_block_runs(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
+        """``swap_blocks`` between devices: each run of consecutive pairs as one contiguous copy per part."""
+        parts = [(src_cache, dst_cache)] if self.is_latent else [(src_cache[0], dst_cache[0]),
+                                                                 (src_cache[1], dst_cache[1])]
+        for s, d, n in block_runs(pairs):
+            for src, dst in parts:
+                dst[d:d + n].copy_(src[s:s + n], non_blocking=True)
+
+
+def block_runs(pairs: list[tuple[int, int]]) -> list[tuple[int, int, int]]:
+    """``pairs`` (src, dst) as runs (src, dst, n): blocks src .. src + n - 1 onto dst .. dst + n - 1, in order."""
+    runs: list[list[int]] = []
+    for s, d in pairs:
+        last = runs[-1] if runs else None
+        if last is not None and s == last[0] + last[2] and d == last[1] + last[2]:
+            last[2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from paged_backend.attention.kv_cache_spec import KVCacheSpec
+from paged_backend.attention.kv_cache_spec import KVCacheSpec, block_runs
 from paged_backend.worker.model_runner import ModelRunner
 
 SPECS = {
@@ -77,3 +77,21 @@ def test_swap_without_a_host_tier_refuses() -> None:
     with pytest.raises(RuntimeError, match="swap_space"):
         r.swap_blocks([(1, 1)], [])
     r.swap_blocks([], [])  # nothing to copy: fine
+
+
+@pytest.mark.parametrize("kind", list(SPECS))
+def test_copies_between_devices_go_in_contiguous_runs(kind: str) -> None:
+    """The cross-device path (one copy per run of consecutive blocks and per contiguous part) moves the
+    same blocks as the gather / scatter of one device."""
+    spec = SPECS[kind]
+    pairs = [(3, 1), (4, 2), (5, 3), (1, 7), (7, 5), (8, 6), (2, 0)]
+    assert block_runs(pairs) == [(3, 1, 3), (1, 7, 1), (7, 5, 2), (2, 0, 1)]
+    g = torch.Generator().manual_seed(1)
+    src = torch.randn(spec.shape(9), generator=g)
+    runs, gathered = spec.allocate(8, "cpu"), spec.allocate(8, "cpu")
+    spec.copy_block_runs(src, runs, pairs)
+    spec.swap_blocks(src, gathered, pairs)
+    assert torch.equal(runs, gathered) and runs.any()
+    for s, d in pairs:
+        assert torch.equal(_block(spec, runs, d), _block(spec, src, s))
+    assert not _block(spec, runs, 4).any()  # not a destination
