@@ -14,6 +14,10 @@ its tokens are known (``propose``):
 The MTP KV of position i is thus written once t_{i+1} is known, and a verification step rewrites the lookahead
 positions it keeps. A request not scheduled in a step keeps the drafts it had. Drafts are the MTP logits'
 argmax: a one-hot draft distribution (``spec_decode/acceptance.py`` keeps the target's distribution).
+
+The passes name hidden-state rows, never tensors: the runner keeps the step's hidden states and each pass's, so
+under tensor parallelism every rank runs the same passes (the runner mirrors them) on its own hidden states,
+and rank 0 gets the gathered full-vocabulary logits.
 """
 
 from __future__ import annotations
@@ -26,17 +30,16 @@ from paged_backend.core.scheduler import ScheduledRequest, Scheduler, SchedulerO
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.sample.sampler import Sampler
 from paged_backend.worker.model_runner import ModelRunner
+from paged_backend.worker.tensor_parallel import TensorParallelRunner
 
 
 def check_mtp_config(config: EngineConfig, info: ModelInfo) -> None:
-    """Method ``mtp`` needs a checkpoint with MTP layers, and runs in one process."""
+    """Method ``mtp`` needs a checkpoint with MTP layers."""
     if info.num_mtp_layers <= 0:
         raise ValueError(
             f"speculative_config method 'mtp' needs a checkpoint with multi-token-prediction layers "
             f"(num_nextn_predict_layers > 0 in its config.json, a DeepSeek-V3 / GLM-4.5-family model); "
             f"{config.model} ({info.architecture}) has none")
-    if config.tensor_parallel_size > 1:
-        raise ValueError("speculative_config method 'mtp' is not supported with tensor_parallel_size > 1")
 
 
 def _span(request_id: str, start: int, token_ids: list[int], block_ids: list[int], samples: bool
@@ -50,7 +53,7 @@ def _span(request_id: str, start: int, token_ids: list[int], block_ids: list[int
 
 
 class MTPProposer:
-    def __init__(self, config: EngineConfig, runner: ModelRunner, scheduler: Scheduler) -> None:
+    def __init__(self, config: EngineConfig, runner: ModelRunner | TensorParallelRunner, scheduler: Scheduler) -> None:
         """``runner``: the target's, built with its MTP layers (``speculative_config`` method ``mtp``)."""
         spec = config.speculative_config
         assert spec is not None
@@ -58,18 +61,18 @@ class MTPProposer:
         self.scheduler = scheduler
         self.kv = scheduler.kv
         self.k = spec.num_speculative_tokens
-        self._step: tuple[SchedulerOutput, torch.Tensor] | None = None  # the step's plan and hidden states
+        self._step: SchedulerOutput | None = None  # the step's plan (the runner keeps its hidden states)
 
     def observe(self, sched: SchedulerOutput) -> None:
-        """The target's step: its plan and hidden states, for ``propose`` once its tokens are sampled."""
-        self._step = (sched, self.runner.last_hidden_states())
+        """The target's step: its plan, for ``propose`` once its tokens are sampled (the runner's last forward
+        is this step's until then)."""
+        self._step = sched
 
     def propose(self, requests: list[Request], max_model_len: int) -> None:
         """The MTP pass over the last step's kept positions, then drafts for ``requests`` (decoding)."""
-        step, self._step = self._step, None
-        if step is None:
+        sched, self._step = self._step, None
+        if sched is None:
             return
-        sched, hidden = step
         running = {r.request_id: r for r in self.scheduler.running}
         wanted = {r.request_id for r in requests}
         spans: list[ScheduledRequest] = []
@@ -96,16 +99,14 @@ class MTPProposer:
                 drafting.append(req)
         if not spans:
             return
-        index = torch.tensor(rows, dtype=torch.long).to(hidden.device, non_blocking=True)
-        logits, out = self.runner.execute_mtp(SchedulerOutput(spans), hidden[index], 0)
+        logits = self.runner.execute_mtp(SchedulerOutput(spans), rows, 0)
         if drafting:
-            self._draft(drafting, logits, out, max_model_len)
+            self._draft(drafting, logits, max_model_len)
 
-    def _draft(self, drafting: list[Request], logits: torch.Tensor, hidden: torch.Tensor, max_model_len: int
-               ) -> None:
+    def _draft(self, drafting: list[Request], logits: torch.Tensor, max_model_len: int) -> None:
         """First drafts from the pass's sampled rows, then the one-token passes for the rest."""
         kv = self.kv
-        entries: list[tuple[Request, int, int]] = []  # (request, drafts wanted, its row in ``hidden``)
+        entries: list[tuple[Request, int, int]] = []  # (request, drafts wanted, its row of the last pass's)
         for row, (req, tok) in enumerate(zip(drafting, Sampler.greedy(logits), strict=True)):
             k = min(self.k, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - len(req.all_token_ids) - 1)
             if k <= 0:
@@ -122,8 +123,7 @@ class MTPProposer:
             sched = SchedulerOutput([ScheduledRequest.lookahead(
                 req.request_id, len(req.all_token_ids) - 2 + j, req.spec_token_ids[-1], kv.req_block_ids[req.request_id])
                 for req, _, _ in entries])
-            index = torch.tensor([row for _, _, row in entries], dtype=torch.long).to(hidden.device, non_blocking=True)
-            logits, hidden = self.runner.execute_mtp(sched, hidden[index], j)
+            logits = self.runner.execute_mtp(sched, [row for _, _, row in entries], j)
             for req, tok in zip((e[0] for e in entries), Sampler.greedy(logits), strict=True):
                 req.spec_token_ids.append(tok)
             entries = [(req, k, i) for i, (req, k, _) in enumerate(entries)]

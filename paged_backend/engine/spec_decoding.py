@@ -88,7 +88,7 @@ class SpecDecoder:
 
     def observe(self, sched: SchedulerOutput) -> None:
         """Each step the target computes: a draft model computes it too (its own KV); the MTP proposer keeps
-        its hidden states for ``propose``."""
+        its plan for ``propose`` (the runner keeps its hidden states)."""
         if self.draft is not None:
             self.draft.observe(sched)
 

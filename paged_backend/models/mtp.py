@@ -26,6 +26,7 @@ For more drafts than layers the layers are reused in turn, each fed the previous
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -35,29 +36,33 @@ from paged_backend.models.cpu_linear import linear
 from paged_backend.models.layers import FusedLinear, ModelOps, RMSNorm, RotaryEmbedding
 from paged_backend.models.llama import LlamaDecoderLayer
 from paged_backend.models.model_info import ModelInfo
+from paged_backend.models.parallel import lm_head
+
+if TYPE_CHECKING:
+    from paged_backend.distributed import TPGroup
 
 # an MTP layer's linears that quantized checkpoints store unquantized (its decoder block is quantized as the model's)
 UNQUANTIZED_MTP_LINEARS = (".eh_proj", ".shared_head.head")
 
 
 class SharedHead(nn.Module):
-    def __init__(self, info: ModelInfo, dtype: torch.dtype, ops: ModelOps) -> None:
+    def __init__(self, info: ModelInfo, dtype: torch.dtype, ops: ModelOps, tp: TPGroup | None = None) -> None:
         super().__init__()
         self.norm = RMSNorm(info.hidden_size, info.rms_norm_eps, dtype, ops)
-        self.head = FusedLinear(info.hidden_size, (info.vocab_size,), False, dtype)
+        self.head = lm_head(info, dtype, tp)  # as the model's: vocabulary rows per rank, logits gathered to rank 0
 
 
 class MTPLayer(LlamaDecoderLayer):
     """One MTP layer: the decoder layer of index ``L + i`` plus its input projection and output head."""
 
     def __init__(self, info: ModelInfo, layer_idx: int, rotary_emb: RotaryEmbedding, attn_backend: AttentionBackend,
-                 dtype: torch.dtype, ops: ModelOps) -> None:
-        super().__init__(info, layer_idx, rotary_emb, attn_backend, dtype, ops)
+                 dtype: torch.dtype, ops: ModelOps, tp: TPGroup | None = None) -> None:
+        super().__init__(info, layer_idx, rotary_emb, attn_backend, dtype, ops, tp)  # its block split as the model's
         hidden = info.hidden_size
         self.enorm = RMSNorm(hidden, info.rms_norm_eps, dtype, ops)
         self.hnorm = RMSNorm(hidden, info.rms_norm_eps, dtype, ops)
-        self.eh_proj = FusedLinear(2 * hidden, (hidden,), False, dtype)
-        self.shared_head = SharedHead(info, dtype, ops)
+        self.eh_proj = FusedLinear(2 * hidden, (hidden,), False, dtype)  # whole on every rank (vLLM's replicated)
+        self.shared_head = SharedHead(info, dtype, ops, tp)
 
     def predict(self, positions: torch.Tensor, embeds: torch.Tensor, prev_hidden: torch.Tensor,
                 kv_cache: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -69,6 +74,7 @@ class MTPLayer(LlamaDecoderLayer):
         return hidden + residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """float32 [N, vocab]; under tensor parallelism [N, 0] on ranks > 0 (the logits go to rank 0)."""
         return linear(self.shared_head.head, self.shared_head.norm(hidden)[0]).float()
 
 
@@ -76,7 +82,8 @@ class MultiTokenPredictor(nn.Module):
     """The checkpoint's MTP layers; the model's token embedding (``embed``, not a parameter of this module)."""
 
     def __init__(self, info: ModelInfo, attn_backend: AttentionBackend, dtype: torch.dtype, ops: ModelOps,
-                 rotary_emb: RotaryEmbedding, embed: nn.Module) -> None:
+                 rotary_emb: RotaryEmbedding, embed: nn.Module, tp: TPGroup | None = None) -> None:
+        """``tp``: the model's group; the layers split as its decoder layers and head do."""
         super().__init__()
         n = info.num_mtp_layers
         if n <= 0:
@@ -85,8 +92,8 @@ class MultiTokenPredictor(nn.Module):
         # the MTP layers' indices L .. L + n - 1: routed experts when the model routes, full attention
         layer_info = replace(info, moe_layers=info.moe_layers + (info.is_moe,) * n if info.moe_layers else (),
                              layer_sliding_windows=info.layer_sliding_windows + (None,) * n)
-        self.layers = nn.ModuleList(MTPLayer(layer_info, info.num_layers + i, rotary_emb, attn_backend, dtype, ops)
-                                    for i in range(n))
+        self.layers = nn.ModuleList(MTPLayer(layer_info, info.num_layers + i, rotary_emb, attn_backend, dtype, ops,
+                                             tp) for i in range(n))
         self.__dict__["embed"] = embed  # shared with the model: not registered twice
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, prev_hidden: torch.Tensor,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 DEFAULT_PROMPT_LOOKUP = 5  # vLLM's n-gram default when neither bound is given
+# vLLM's older per-family names of the MTP method (it maps them to "mtp" too)
+MTP_ALIASES = ("deepseek_mtp", "glm4_moe_mtp")
 
 
 class SpeculativeConfig(BaseModel):
@@ -18,8 +20,9 @@ class SpeculativeConfig(BaseModel):
     for both. ``draft_model``: a smaller checkpoint with the target's vocabulary proposes greedily
     (``method`` defaults to it when ``model`` is given). ``mtp``: the target checkpoint's own
     multi-token-prediction layers (``num_nextn_predict_layers`` in its config.json, checked when the
-    engine loads it) propose greedily, reused in turn for more drafts than layers. Other vLLM methods
-    (``eagle``, ``medusa``) are refused.
+    engine loads it) propose greedily, reused in turn for more drafts than layers; vLLM's older names
+    ``deepseek_mtp`` and ``glm4_moe_mtp`` are read as ``mtp``. Other vLLM methods (``eagle``, ``medusa``)
+    are refused.
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -29,6 +32,13 @@ class SpeculativeConfig(BaseModel):
     model: str | None = None
     prompt_lookup_max: int | None = Field(None, ge=1)
     prompt_lookup_min: int | None = Field(None, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _aliases(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("method") in MTP_ALIASES:
+            return {**data, "method": "mtp"}
+        return data
 
     @model_validator(mode="after")
     def _bounds(self) -> SpeculativeConfig:

@@ -200,7 +200,7 @@ def load_model(
         model = cls(info, attn_backend, dtype, ops, tp=tp, **({"pp": pp} if pp is not None else {}))
         if mtp:
             model.mtp = MultiTokenPredictor(info, attn_backend, dtype, model.ops, model.model.rotary_emb,
-                                            model.model.embed_tokens)
+                                            model.model.embed_tokens, tp)
         if quant_config is not None:
             set_linear_methods(model, quant_config)
     materialize(model, device)

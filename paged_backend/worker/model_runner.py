@@ -75,6 +75,7 @@ class ModelRunner:
         if mtp:  # the MTP layers' caches after the decoder's, on the same block ids (in bytes_per_block)
             self.kv_specs = self.kv_specs + [spec] * info.num_mtp_layers
             self.model.model.keep_prenorm = True
+        self._mtp_hidden: torch.Tensor | None = None  # the last MTP pass's sampled hidden states (execute_mtp)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
         # the host tier (swap_space GiB, same layout; pinned on CUDA) and its side stream
@@ -336,19 +337,25 @@ class ModelRunner:
         return hidden
 
     @torch.inference_mode()
-    def execute_mtp(self, sched: SchedulerOutput, prev_hidden: torch.Tensor, spec_step: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One pass of the MTP layers (models/mtp.py) over ``sched``'s tokens (t_{i+1} at position i) with
-        ``prev_hidden`` (one row per token), writing their caches; returns the logits and hidden states of the
-        sampled rows."""
+    def execute_mtp(self, sched: SchedulerOutput, rows: list[int], spec_step: int = 0) -> torch.Tensor:
+        """One pass of the MTP layers (models/mtp.py) over ``sched``'s tokens (t_{i+1} at position i), writing
+        their caches (``sched.blocks_to_copy`` first); returns the logits of the sampled rows (float32
+        [N, vocab]; [N, 0] on tensor-parallel ranks > 0). The previous hidden states, one per token, are
+        ``rows`` of the last forward's (``last_hidden_states``) for ``spec_step`` 0, else of the previous
+        pass's sampled rows: each rank reads its own, so a pass is plain data (tensor parallelism mirrors it)."""
+        self.copy_blocks(sched.blocks_to_copy)
         mtp = self.model.mtp
+        source = self.last_hidden_states() if spec_step == 0 else self._mtp_hidden
+        assert source is not None, "a lookahead MTP pass before the first"
+        index = torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)
         step = self._builder_for(sched).build(sched)
-        hidden = mtp(step.input_ids, step.positions, prev_hidden, self.kv_caches[self.info.num_layers:], step.meta,
-                     spec_step)
-        rows = step.sample_rows
-        if len(rows) != step.num_tokens:
-            hidden = hidden[torch.tensor(rows, dtype=torch.long).to(self.device, non_blocking=True)]
-        return mtp.compute_logits(hidden, spec_step), hidden
+        hidden = mtp(step.input_ids, step.positions, source[index], self.kv_caches[self.info.num_layers:],
+                     step.meta, spec_step)
+        sampled = step.sample_rows
+        if len(sampled) != step.num_tokens:
+            hidden = hidden[torch.tensor(sampled, dtype=torch.long).to(self.device, non_blocking=True)]
+        self._mtp_hidden = hidden  # the next lookahead pass's rows
+        return mtp.compute_logits(hidden, spec_step)
 
     # -- CUDA graphs ------------------------------------------------------------------
 

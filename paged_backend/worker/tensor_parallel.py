@@ -226,6 +226,17 @@ class TensorParallelRunner:
         self._ledger.record(sched)
         return self._mirrored("step", sched, lambda: self.local.execute(sched))
 
+    def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
+        """Copy-on-write outside a step (the MTP proposer's lookahead blocks), every layer of every rank."""
+        self._mirrored("copy", pairs, lambda: self.local.copy_blocks(pairs))
+
+    def execute_mtp(self, sched: SchedulerOutput, rows: list[int], spec_step: int = 0) -> torch.Tensor:
+        """An MTP pass (``ModelRunner.execute_mtp``) on every rank, each on its own hidden states; rank 0 gets
+        the full-vocabulary logits."""
+        self._ledger.record(sched)
+        return self._mirrored("mtp", (sched, rows, spec_step),
+                              lambda: self.local.execute_mtp(sched, rows, spec_step))
+
     def rank_reports(self, live_request_ids: set[str] | list[str]) -> list[RankReport]:
         """Every rank's KV-block accounting; ``live_request_ids``: the requests holding blocks now."""
         live = set(live_request_ids)
@@ -366,6 +377,11 @@ def run_worker(config: EngineConfig, model_dir: Path | str, info: ModelInfo, dev
         if cmd == "step":
             ledger.record(arg)
             runner.execute(arg)
+        elif cmd == "mtp":  # speculative decoding's MTP pass: (plan, hidden-state rows, spec_step)
+            ledger.record(arg[0])
+            runner.execute_mtp(*arg)
+        elif cmd == "copy":
+            runner.copy_blocks(arg)
         elif cmd == "num_blocks":
             tp.min_int(runner.determine_num_blocks(arg or 0))
         elif cmd == "allocate":

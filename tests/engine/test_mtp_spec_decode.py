@@ -4,7 +4,8 @@ DeepSeek-V3 (latent attention) and GLM-4.5 (grouped-query attention) checkpoints
 (transformers running the layer's decoder block), so do the engine's drafts after every step, greedy output
 equals greedy output without speculation whatever the batching, chunking, swap preemption, forks or prefix hits,
 an MTP layer built to predict well gets its drafts accepted, aborts leak no block, and the MTP layer's cache
-counts in the KV budget."""
+counts in the KV budget; over 2 tensor-parallel ranks (gloo) the tokens, drafts and acceptance are the single
+process's and every rank's blocks are accounted."""
 
 from __future__ import annotations
 
@@ -247,19 +248,27 @@ def test_the_mtp_cache_counts_in_the_kv_budget(family) -> None:
 def test_an_abort_in_the_middle_of_speculative_steps_leaks_nothing(family) -> None:
     path, _ = family
     engine = tiny_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}).engine
+    assert _abort_between_speculative_steps(engine) >= 1 and engine.spec.stats.num_drafts > 0
+    assert_no_leak(engine)
+
+
+def _abort_between_speculative_steps(engine, check=lambda engine: None) -> int:
+    """Runs the prompts, aborting a request each time after it drafted and had a verification step (``check``
+    after each step and abort); the number aborted."""
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     for i, p in enumerate(PROMPTS):
         engine.add_request(f"r{i}", p, params)
     aborted = 0
     while engine.has_unfinished_requests():
         engine.step()
+        check(engine)
         drafted = [r.request_id for r in engine.scheduler.running if r.spec_token_ids]
         if drafted:
             engine.step()  # a verification step, then drafts again
             if engine.abort_request(drafted[0]) is not None:
                 aborted += 1
-    assert aborted >= 1 and engine.spec.stats.num_drafts > 0
-    assert_no_leak(engine)
+                check(engine)
+    return aborted
 
 
 def _predictive(tensors: dict[str, torch.Tensor], L: int) -> None:
@@ -348,6 +357,57 @@ def test_cuda_triton_greedy_with_mtp_drafts_equals_greedy_without(name, tmp_path
         assert llm.engine.runner.attn_backend.name == "triton" and llm.engine.runner.graphs is None
         assert greedy_tokens(llm) == expected
         assert llm.engine.spec.stats.num_accepted_tokens > 0
+        assert_no_leak(llm.engine)
+    finally:
+        llm.engine.shutdown()
+
+
+def _rank_blocks_match(engine) -> None:
+    """Every rank's cache holds exactly the blocks rank 0's manager has handed to the running requests."""
+    used = engine.kv.block_pool.num_total_usable - engine.kv.num_free_blocks
+    reports = engine.runner.rank_reports([r.request_id for r in engine.scheduler.running])
+    assert [r.rank for r in reports] == [0, 1]
+    for r in reports:
+        assert r.num_blocks == engine.runner.num_blocks and r.num_used_blocks == used, (r, used)
+
+
+def test_tensor_parallel_2_greedy_with_mtp_drafts_equals_greedy_without(family) -> None:
+    """Over 2 ranks (gloo) every MTP pass runs on both ranks, each on its own hidden states, its layer split as
+    the model's: the tokens are the plain engine's, the drafts and their acceptance TP = 1's; an abort between
+    speculative steps leaks no block on any rank."""
+    path, expected = family
+    tp1 = tiny_llm(path, speculative_config=MTP)
+    assert greedy_tokens(tp1) == expected
+    llm = tiny_llm(path, speculative_config=MTP, tensor_parallel_size=2)
+    engine = llm.engine
+    try:
+        assert len(engine.runner.worker_pids) == 1
+        assert greedy_tokens(llm) == expected
+        got, ref = engine.spec.stats, tp1.engine.spec.stats
+        assert got.num_draft_tokens > got.num_drafts > 0
+        assert (got.num_drafts, got.num_draft_tokens, got.accepted_per_pos) == (
+            ref.num_drafts, ref.num_draft_tokens, ref.accepted_per_pos)
+        assert_no_leak(engine)
+
+        assert _abort_between_speculative_steps(engine, _rank_blocks_match) >= 1
+        assert_no_leak(engine)
+        for r in engine.runner.rank_reports([]):
+            assert r.num_used_blocks == 0 and r.num_free_blocks == engine.runner.num_blocks - 1
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_tensor_parallel_2_mtp_layer_that_predicts_well_gets_its_drafts_accepted(name, tmp_path) -> None:
+    path = make_mtp_checkpoint(tmp_path, name, _predictive, num_hidden_layers=1, first_k_dense_replace=0)
+    expected = greedy_tokens(tiny_llm(path))
+    llm = tiny_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, tensor_parallel_size=2)
+    try:
+        assert greedy_tokens(llm) == expected
+        stats = llm.engine.spec.stats
+        assert stats.num_accepted_tokens >= stats.num_draft_tokens // 2, stats
+        assert stats.accepted_per_pos[2] > 0
+        assert llm.engine.stats.num_steps < len(PROMPTS) * GREEDY.max_tokens // 2
         assert_no_leak(llm.engine)
     finally:
         llm.engine.shutdown()

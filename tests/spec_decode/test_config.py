@@ -46,6 +46,16 @@ def test_mtp_keys():
     assert (c.method, c.model, c.prompt_lookup_min, c.prompt_lookup_max) == ("mtp", None, None, None)
 
 
+@pytest.mark.parametrize("alias", ["deepseek_mtp", "glm4_moe_mtp"])
+def test_vllm_older_mtp_method_names_are_mtp(alias):
+    assert SpeculativeConfig(method=alias, num_speculative_tokens=2).method == "mtp"
+    assert SpeculativeConfig.model_validate({"method": alias, "num_speculative_tokens": 1}).method == "mtp"
+    with pytest.raises(ValidationError, match="method 'mtp' takes no 'model'"):
+        SpeculativeConfig(method=alias, num_speculative_tokens=2, model="x")
+    with pytest.raises(ValidationError):  # other families' names are not read as mtp
+        SpeculativeConfig(method="qwen3_next_mtp", num_speculative_tokens=2)
+
+
 def test_engine_config_and_the_cli_flag():
     import argparse
 
