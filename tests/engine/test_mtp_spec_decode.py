@@ -397,12 +397,18 @@ def test_tensor_parallel_2_greedy_with_mtp_drafts_equals_greedy_without(family) 
         engine.shutdown()
 
 
-@pytest.mark.parametrize("name", sorted(FAMILIES))
-def test_tensor_parallel_2_mtp_layer_that_predicts_well_gets_its_drafts_accepted(name, tmp_path) -> None:
+@pytest.mark.parametrize(("name", "ep"), [("deepseek_v3", False), ("glm4_moe", False), ("glm4_moe", True)],
+                         ids=["deepseek_v3", "glm4_moe", "glm4_moe-expert-parallel"])
+def test_tensor_parallel_2_mtp_layer_that_predicts_well_gets_its_drafts_accepted(name, ep, tmp_path) -> None:
+    """At TP = 2 (and with whole routed experts per rank: the MTP layer's too) the predictive layer's drafts are
+    accepted and the tokens are the plain engine's."""
     path = make_mtp_checkpoint(tmp_path, name, _predictive, num_hidden_layers=1, first_k_dense_replace=0)
     expected = greedy_tokens(tiny_llm(path))
-    llm = tiny_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, tensor_parallel_size=2)
+    llm = tiny_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, tensor_parallel_size=2,
+                   enable_expert_parallel=ep)
     try:
+        experts = llm.engine.runner.local.model.mtp.layers[0].mlp.experts
+        assert experts.num_local_experts == (experts.num_experts // 2 if ep else experts.num_experts)
         assert greedy_tokens(llm) == expected
         stats = llm.engine.spec.stats
         assert stats.num_accepted_tokens >= stats.num_draft_tokens // 2, stats
