@@ -113,8 +113,9 @@ def destroy_tp_group() -> None:
     if dist.is_initialized():
         try:
             dist.destroy_process_group()
-        except Exception:  # a group broken by a dead peer: nothing left to release cleanly
-            logger.debug("destroy_process_group failed", exc_info=True)
+        except Exception as exc:  # a group broken by a dead peer: nothing left to release cleanly
+            # said aloud: a group left behind can abort the process at exit (gloo threads at teardown)
+            logger.warning("leaving the process group failed: %r", exc)
 
 
 def abort_tp_group() -> None:
