@@ -85,14 +85,14 @@ class EngineStats:
     def log(self, scheduler, kv, now: float) -> None:
         dt = max(now - self._last_log, 1e-9)
         rate = kv.stats.hit_rate
-        host = getattr(kv, "host", None)  # the prefix cache's host tier (--swap-space), or None
+        host = kv.host  # the prefix cache's host tier (--swap-space), or None
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
             "Running: %d reqs, Waiting: %d reqs, GPU KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%%s",
             (self.prompt_tokens_total - self._last_prompt) / dt,
             (self.generation_tokens_total - self._last_gen) / dt,
             scheduler.num_running, scheduler.num_waiting, 100 * kv.usage, 100 * rate,
-            "" if host is None else f", Swapped: {getattr(scheduler, 'num_swapped', 0)} reqs, "
+            "" if host is None else f", Swapped: {scheduler.num_swapped} reqs, "
             f"Host prefix cache hit rate: {100 * host.stats.hit_rate:.1f}%",
         )
         if self.spec is not None:
@@ -116,12 +116,11 @@ class EngineStats:
 
     def snapshot(self, scheduler, kv) -> dict:
         hits = kv.stats
-        host = getattr(kv, "host", None)
-        host = host.stats if host is not None else None
+        host = kv.host.stats if kv.host is not None else None
         return {
             "num_running": scheduler.num_running,
             "num_waiting": scheduler.num_waiting,
-            "num_swapped": getattr(scheduler, "num_swapped", 0),
+            "num_swapped": scheduler.num_swapped,
             "kv_cache_usage": kv.usage,
             "num_free_blocks": kv.num_free_blocks,
             "prefix_cache_queries": hits.queries,

@@ -35,7 +35,7 @@ def test_prometheus_families_only_with_speculative_decoding():
 
 
 class _Sched:
-    num_running = num_waiting = 0
+    num_running = num_waiting = num_swapped = 0
 
 
 class _CacheStats:
@@ -46,6 +46,7 @@ class _CacheStats:
 class _KV:
     usage = 0.0
     num_free_blocks = 0
+    host = None  # no host tier
     stats = _CacheStats()
 
 
