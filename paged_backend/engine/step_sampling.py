@@ -103,19 +103,19 @@ class StepSampler:
             ahead_rows, future = ahead
             staged = future.result()  # the matchers are the mask thread's until then
             if ahead_rows is rows:
-                if staged is not None:
-                    if index is not None:
-                        logits, index = logits[torch.tensor(index, device=logits.device)], None
-                    apply_masks(logits, staged)
                 self.num_masks_ahead += 1
-                return logits, index
+                if staged is None:
+                    return logits, index
+                logits = _one_row_each(logits, index)
+                apply_masks(logits, staged)
+                return logits, None
         constrained = [(i, s.grammar, s.request.output_token_ids) for i, (_, s) in enumerate(rows)
                        if s.grammar is not None and not s.request.is_finished] if RequestGrammar.live else ()
-        if constrained:
-            if index is not None:
-                logits, index = logits[torch.tensor(index, device=logits.device)], None
-            apply_grammars(logits, constrained)
-        return logits, index
+        if not constrained:
+            return logits, index
+        logits = _one_row_each(logits, index)
+        apply_grammars(logits, constrained)
+        return logits, None
 
     def prepare(self, rows: list[Row], logits: torch.Tensor, landed: list[Row], token_ids: list[int]) -> None:
         """Async scheduling: ``rows`` (the queued step's, over ``logits``) get their masks filled on the mask
@@ -177,6 +177,12 @@ class StepSampler:
     def _sample(self, rows: list[Row], logits: torch.Tensor) -> list[int]:
         """The full sampler, on the host at once; records the logprobs of the rows that asked."""
         return record_logprobs(rows, self.sampler.to_output(self.full_sample(rows, logits)))
+
+
+def _one_row_each(logits: torch.Tensor, index: list[int] | None) -> torch.Tensor:
+    """The logits with one row per step row (``index``: the logits row of each, when forks repeat some): the
+    masks are then applied in place on each row's own copy."""
+    return logits if index is None else logits[torch.tensor(index, device=logits.device)]
 
 
 def record_logprobs(rows: list[Row], sampled: SamplerOutput) -> list[int]:
