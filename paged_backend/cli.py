@@ -1,4 +1,5 @@
-"""``paged-backend`` command line: ``generate`` and ``bench {throughput,serve,kernels,quant,peer,moe,shared-prefix}``.
+"""``paged-backend`` command line: ``generate`` and ``bench {throughput,serve,kernels,quant,peer,moe,shared-prefix,
+spec-decode}``.
 
 Engine flags use vLLM's names (``--max-num-seqs``, ``--kv-cache-dtype fp8`` ...); each
 maps one to one onto an :class:`EngineConfig` field.
@@ -13,7 +14,8 @@ import sys
 from paged_backend.engine_args import add_engine_args, engine_config_from_args
 
 DESCRIPTION = ("paged-backend: a paged-KV LLM inference engine. Subcommands: generate (offline answers for "
-               "prompts) and bench (throughput, serve, kernels, quant, peer, moe, shared-prefix). The OpenAI API is served by "
+               "prompts) and bench (throughput, serve, kernels, quant, peer, moe, shared-prefix, spec-decode). "
+               "The OpenAI API is served by "
                "bentoml serve in bentos/smollm2, or through Triton Inference Server (see README.md).")
 
 
@@ -65,6 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
     from paged_backend.benchmarks.quant import add_quant_parser
     from paged_backend.benchmarks.serve import add_serve_parser
     from paged_backend.benchmarks.shared_prefix import add_shared_prefix_parser
+    from paged_backend.benchmarks.spec_decode import add_spec_decode_parser
     from paged_backend.benchmarks.throughput import add_throughput_parser
 
     add_throughput_parser(bsub)
@@ -73,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(bsub)
     add_moe_parser(bsub)
     add_shared_prefix_parser(bsub)
+    add_spec_decode_parser(bsub)
     # its own parser takes every argument after it (--help too)
     k = bsub.add_parser("kernels", help="check, then time the Triton kernels (CUDA)", add_help=False)
     k.set_defaults(func=_cmd_bench_kernels, passthrough=True)

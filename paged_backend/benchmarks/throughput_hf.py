@@ -31,7 +31,7 @@ class HFTarget:
                    device=engine.device, pad_token_id=pad)
 
 
-def release_device_memory(device) -> None:
+def release_device_memory(device, before: str = "transformers") -> None:
     """Collect garbage and return the CUDA caching allocator's free blocks (so transformers sizes
     its cache from memory the freed engine no longer holds); prints what is free on CUDA."""
     import gc
@@ -43,7 +43,7 @@ def release_device_memory(device) -> None:
         torch.cuda.synchronize(device)
         torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(device)
-        print(f"{device}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB before transformers")
+        print(f"{device}: {free / 2**30:.1f} GiB free of {total / 2**30:.1f} GiB before {before}")
 
 
 def run_hf(target: HFTarget, prompts: list[list[int]], outs_len: list[int], warm: list[list[int]],
