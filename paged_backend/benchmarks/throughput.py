@@ -114,6 +114,7 @@ def _timed_runs(llm, prompts: list[list[int]], outs_len: list[int], temps: list[
         engine.reset_prefix_cache()
         engine.stats.peak_kv_usage = engine.stats.peak_kv_waste = 0.0
         params = [_params(n, temp, structured) for n in outs_len]
+        preempted = engine.get_stats()["num_preemptions"]
         with KVUsageTrace(engine) if kv_traces is not None else contextlib.nullcontext() as trace:
             t = time.perf_counter()
             outs = llm.generate(prompts, params, use_tqdm=False)
@@ -128,6 +129,7 @@ def _timed_runs(llm, prompts: list[list[int]], outs_len: list[int], temps: list[
         rows.append(result_row("paged-backend", engine.device, engine.dtype, engine.runner.kv_dtype, temp, prompts,
                                n_gen, dt, peak_kv_usage=round(engine.stats.peak_kv_usage, 4),
                                kv_waste=round(engine.stats.peak_kv_waste, 4)))
+        rows[-1]["preemptions"] = engine.get_stats()["num_preemptions"] - preempted
     return rows
 
 

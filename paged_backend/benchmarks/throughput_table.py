@@ -18,7 +18,7 @@ def result_row(label: str, device, dtype, kv_dtype, temperature: float, prompts:
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     cols = ["engine", "device", "dtype", "kv", "temperature", "prompts", "input_tokens", "output_tokens", "elapsed_s", "req_s",
-            "output_tok_s", "total_tok_s", "peak_kv_usage", "kv_waste"]
+            "output_tok_s", "total_tok_s", "peak_kv_usage", "kv_waste", "preemptions"]
     widths = {c: max(len(c), *(len(str(r.get(c))) for r in rows)) for c in cols}
     print(" | ".join(c.ljust(widths[c]) for c in cols))
     print("-|-".join("-" * widths[c] for c in cols))
