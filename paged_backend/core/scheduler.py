@@ -121,8 +121,9 @@ class Scheduler:
         skip_in_flight: bool = False,
     ) -> None:
         self.kv = kv_manager
-        # pipeline parallelism: a request whose sampled token is in flight (num_pending) is not scheduled
-        # until it lands (async scheduling instead schedules it with a placeholder)
+        # pipeline parallelism and speculative decoding under async scheduling: a request whose sampled tokens
+        # are in flight (num_pending) is not scheduled until they land (how many a verification keeps is not
+        # known before; plain async scheduling instead schedules it with a placeholder)
         self.skip_in_flight = skip_in_flight
         self.swap = swap  # the host tier (None: preemption always recomputes)
         if swap is not None:
@@ -327,7 +328,9 @@ class Scheduler:
         """A verification step kept all but ``num_rejected`` of the request's scheduled drafts: its
         computed tokens stop before them and the blocks only they reached are freed."""
         req.spec_token_ids = []
-        if num_rejected and not req.is_finished:
+        # a request preempted (by recompute: see _preempt) or finished while its step was in flight has no
+        # computed positions to give back
+        if num_rejected and req.status == RequestStatus.RUNNING:
             req.num_computed_tokens -= num_rejected
             self.kv.trim(req)
 
@@ -347,12 +350,15 @@ class Scheduler:
 
     def _preempt(self, req: Request, out: SchedulerOutput) -> None:
         self.running.remove(req)
+        # drafts still being verified (async scheduling): how many positions the request keeps is unknown
+        # until they land, so it is recomputed rather than swapped (its blocks' count would not be known)
+        verifying = bool(req.num_pending and req.spec_token_ids)
         req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         out.preempted.append(req.request_id)
         swap = self.swap
-        if swap is not None and swap.should_swap(req.num_computed_tokens):
+        if swap is not None and not verifying and swap.should_swap(req.num_computed_tokens):
             # the blocks holding computed tokens go to the host; the copies run before this step's
             # forward (which may reuse the freed device blocks), and the request keeps its progress
             held = self.kv.req_block_ids.get(req.request_id, [])

@@ -87,7 +87,8 @@ class LLMEngine:
             max_model_len=self.max_model_len,
             enable_chunked_prefill=config.enable_chunked_prefill,
             swap=self.swap,
-            skip_in_flight=config.pipeline_parallel_size > 1,
+            # speculative decoding under async scheduling: a request waits while its tokens are in flight
+            skip_in_flight=config.pipeline_parallel_size > 1 or (self.async_scheduling and spec is not None),
         )
         self.stats = EngineStats(interval=0 if config.disable_log_stats else config.log_stats_interval)
         self.inputs = InputProcessor(self.tokenizer, self.info.vocab_size, self.eos_token_ids, self.max_model_len,
@@ -100,7 +101,7 @@ class LLMEngine:
             if draft_runner is not None:
                 draft = DraftModelProposer(config, draft_runner, self.runner, self.kv)
             elif spec.method == "mtp":  # its cache is a layer of the target's (in bytes_per_block)
-                draft = MTPProposer(config, self.runner, self.scheduler)
+                draft = MTPProposer(config, self.runner, self.scheduler, keep_hidden=self.async_scheduling)
             self.spec = SpecDecoder(spec, self.scheduler, self.step_sampler, draft)
         if self.spec is not None:
             self.stats.spec = self.spec.stats
@@ -198,16 +199,22 @@ class LLMEngine:
         sampled ids reach the host; only then does the host wait for them and process them,
         while the device computes step t+1. A request that stops at step t has a row in
         step t+1 whose token is dropped; one that reaches max_tokens is not scheduled again.
+        With speculative decoding a request whose step is in flight waits instead (``_speculative_step``).
         """
         if self.pipeline is not None:
             return self.pipeline.step()
-        sched = self.scheduler.schedule()
+        sched = self.scheduler.schedule(self._max_seqs())
         if sched.preempted:
             self.stats.on_preemptions(len(sched.preempted))
         prev, self._inflight = self._inflight, None
         if sched.is_empty:
-            return self._finish(prev) if prev is not None else []
-        if prev is None:
+            if prev is None:
+                return []
+            results = self._land(prev)
+            if self.spec is not None:  # its requests' next drafts
+                self.spec.propose(self.samples, [prev.sched])
+            return results
+        if prev is None or self.spec is not None:  # speculative: nothing scheduled is in flight
             out = self.runner.execute(sched)
         else:
             out = self.runner.execute(sched, (prev.out.sample_request_ids, prev.tokens))
@@ -217,22 +224,57 @@ class LLMEngine:
         else:
             samples = self.samples
             rows, index, forking = [samples[rid] for rid in out.sample_request_ids], None, []
+        launched = LaunchedStep(sched, out, rows, forking)
+        if self.spec is not None:
+            return self._speculative_step(launched, index, prev)
         results = self._finish(prev, upcoming=(rows, out.logits)) if prev is not None else []
-        if self.spec is not None:  # synchronous: drafts verified now, the next ones proposed
-            self.spec.observe(sched)
-            launched = LaunchedStep(sched, out, rows, forking)
-            if sched.num_draft_tokens:
-                results += self._finish(launched, self.spec.verify(sched, rows, out.logits, index))
-            else:
-                results += self._finish(self._launch_sampling(launched, index))
-            self.spec.propose(self.samples)
-            return results
-        launched = self._launch_sampling(LaunchedStep(sched, out, rows, forking), index)
+        launched = self._launch_sampling(launched, index)
         if launched.tokens is not None:
             self._inflight = launched
         else:
             results += self._finish(launched)
         return results
+
+    def _max_seqs(self) -> int | None:
+        """Speculative decoding under async scheduling: half the live requests a step (rounded up), so that
+        two steps' requests take turns, one's host work (verification, outputs, drafts, scheduling) beside the
+        other's forward, as pipeline parallelism's micro-batches do; otherwise no cap."""
+        if self.spec is None or not self.async_scheduling:
+            return None
+        sched = self.scheduler
+        return max(1, -(-(sched.num_running + sched.num_waiting + sched.num_swapped) // 2))
+
+    def _speculative_step(self, launched: LaunchedStep, index: list[int] | None,
+                          prev: LaunchedStep | None) -> list[RequestOutput]:
+        """A step with speculative decoding: drafts verified, the next ones proposed.
+
+        Synchronous: verified at once. Async: the step's rows are sampled on the device and verified when the
+        next step lands them (its requests wait meanwhile: the scheduler skips requests in flight), while
+        ``prev``, the step launched before, is verified and processed now and its requests get their drafts."""
+        spec = self.spec
+        assert spec is not None
+        sched = launched.sched
+        spec.observe(sched)
+        queued = self.async_scheduling and not launched.forking  # forks are made on the host at once
+        if queued:
+            self._inflight = spec.launch(launched, index)  # on the device before prev's host work
+        results = self._land(prev) if prev is not None else []
+        landed = [prev.sched] if prev is not None else []
+        if not queued:
+            if sched.num_draft_tokens:
+                results += self._finish(launched, spec.verify(sched, launched.rows, launched.out.logits, index))
+            else:
+                results += self._finish(self._launch_sampling(launched, index))
+            landed.append(sched)
+        spec.propose(self.samples, landed)
+        return results
+
+    def _land(self, prev: LaunchedStep) -> list[RequestOutput]:
+        """The outputs of the step in flight, once its ids land (speculative: its drafts verified)."""
+        if prev.spans is None:
+            return self._finish(prev)
+        assert self.spec is not None
+        return self._finish(prev, self.spec.land(prev))
 
     def _launch_sampling(self, launched: LaunchedStep, index: list[int] | None) -> LaunchedStep:
         return self.step_sampler.launch(launched, index)
@@ -293,13 +335,13 @@ def _resolve_device(name: str) -> torch.device:
 
 def _async_scheduling(config: EngineConfig, device: torch.device) -> bool:
     """vLLM's default on one GPU; no gain where the host runs the model."""
-    if config.async_scheduling is None:  # speculative steps run synchronously
+    if config.async_scheduling is None:
+        # speculative decoding: off unless asked for; its requests take turns in half-size steps (2.6), a
+        # trade whose gain depends on how host-bound the steps are
         return (device.type == "cuda" and config.tensor_parallel_size == 1 and config.pipeline_parallel_size == 1
                 and config.speculative_config is None)
     if config.async_scheduling and config.tensor_parallel_size > 1:
         raise ValueError("async_scheduling is not supported with tensor_parallel_size > 1")
-    if config.async_scheduling and config.speculative_config is not None:
-        raise ValueError("async_scheduling is not supported with speculative_config")
     return config.async_scheduling
 
 

@@ -53,26 +53,39 @@ def _span(request_id: str, start: int, token_ids: list[int], block_ids: list[int
 
 
 class MTPProposer:
-    def __init__(self, config: EngineConfig, runner: ModelRunner | TensorParallelRunner, scheduler: Scheduler) -> None:
-        """``runner``: the target's, built with its MTP layers (``speculative_config`` method ``mtp``)."""
+    def __init__(self, config: EngineConfig, runner: ModelRunner | TensorParallelRunner, scheduler: Scheduler,
+                 keep_hidden: bool = False) -> None:
+        """``runner``: the target's, built with its MTP layers (``speculative_config`` method ``mtp``).
+        ``keep_hidden`` (async scheduling): each step keeps its own hidden states, since the next step's forward
+        replaces the runner's before this step's tokens land (one process: async is refused under TP)."""
         spec = config.speculative_config
         assert spec is not None
         self.runner = runner
         self.scheduler = scheduler
         self.kv = scheduler.kv
         self.k = spec.num_speculative_tokens
-        self._step: SchedulerOutput | None = None  # the step's plan (the runner keeps its hidden states)
+        self.keep_hidden = keep_hidden
+        # the observed steps' plans (by id) whose tokens have not landed, with their hidden states when kept
+        self._steps: dict[int, tuple[SchedulerOutput, torch.Tensor | None]] = {}
 
     def observe(self, sched: SchedulerOutput) -> None:
-        """The target's step: its plan, for ``propose`` once its tokens are sampled (the runner's last forward
-        is this step's until then)."""
-        self._step = sched
+        """The target's step: its plan, for ``propose`` once its tokens are sampled (synchronous: the runner's
+        last forward is this step's until then)."""
+        hidden = self.runner.last_hidden_states() if self.keep_hidden else None
+        self._steps[id(sched)] = (sched, hidden)
 
-    def propose(self, requests: list[Request], max_model_len: int) -> None:
-        """The MTP pass over the last step's kept positions, then drafts for ``requests`` (decoding)."""
-        sched, self._step = self._step, None
-        if sched is None:
-            return
+    def propose(self, requests: list[Request], max_model_len: int, landed: list[SchedulerOutput]) -> None:
+        """The MTP pass over each landed step's kept positions, then drafts for ``requests`` (decoding) that
+        step computed."""
+        for sched in landed:
+            step = self._steps.pop(id(sched), None)
+            if step is not None:
+                self._propose_step(step[0], step[1], requests, max_model_len)
+
+    def _propose_step(self, sched: SchedulerOutput, hidden: torch.Tensor | None, requests: list[Request],
+                      max_model_len: int) -> None:
+        if hidden is not None:  # the step's own hidden states, where execute_mtp reads the last forward's
+            self.runner.model.model.prenorm = hidden
         running = {r.request_id: r for r in self.scheduler.running}
         wanted = {r.request_id for r in requests}
         spans: list[ScheduledRequest] = []

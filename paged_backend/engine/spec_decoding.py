@@ -22,8 +22,9 @@ from paged_backend.core.scheduler import Scheduler, SchedulerOutput
 from paged_backend.engine.draft_model import DraftModelProposer
 from paged_backend.engine.mtp_proposer import MTPProposer
 from paged_backend.engine.request_state import Row
-from paged_backend.engine.step_sampling import StepSampler
+from paged_backend.engine.step_sampling import LaunchedStep, StepSampler
 from paged_backend.outputs import LogprobsDict
+from paged_backend.sample.sampler import SamplerOutput
 from paged_backend.spec_decode.acceptance import accept_prefix
 from paged_backend.spec_decode.config import SpeculativeConfig
 from paged_backend.spec_decode.ngram import NgramProposer
@@ -92,8 +93,12 @@ class SpecDecoder:
         if self.draft is not None:
             self.draft.observe(sched)
 
-    def propose(self, samples: dict[str, Row]) -> None:
-        """New drafts for each running request that decodes (all its tokens computed but the last)."""
+    def propose(self, samples: dict[str, Row], landed: list[SchedulerOutput]) -> None:
+        """New drafts for each running request that decodes (all its tokens computed but the last); ``landed``:
+        the steps whose tokens were appended since the last call (the MTP pass covers their positions).
+
+        A request whose step is still in flight (async scheduling) has more computed tokens than that, so it
+        is left alone until its tokens land."""
         decoding = []
         for req in self.scheduler.running:
             if req.num_computed_tokens != len(req.all_token_ids) - 1 or not req.output_token_ids:
@@ -102,6 +107,9 @@ class SpecDecoder:
             if row is None or row[1].grammar is not None:
                 continue
             decoding.append(req)
+        if isinstance(self.draft, MTPProposer):
+            self.draft.propose(decoding, self.scheduler.max_model_len, landed)
+            return
         if self.draft is not None:
             self.draft.propose(decoding, self.scheduler.max_model_len)
             return
@@ -113,6 +121,31 @@ class SpecDecoder:
     def verify(self, sched: SchedulerOutput, rows: list[Row], logits: torch.Tensor,
                index: list[int] | None) -> VerifiedStep:
         """Sample every row, keep the accepted drafts, roll back the rejected positions."""
+        logits, spans, histories, fast = self._plan(sched, rows, logits, index)
+        step_sampler = self.step_sampler
+        if fast:
+            return self._accept(rows, spans, step_sampler.sampler.greedy(logits), None)
+        result = step_sampler.sampler.to_output(step_sampler.full_sample(rows, logits, histories))
+        return self._accept(rows, spans, result.sampled_token_ids, _row_logprobs(result))
+
+    def launch(self, launched: LaunchedStep, index: list[int] | None) -> LaunchedStep:
+        """Async scheduling: every row sampled on the device (``StepSampler.queue``); the drafts are verified
+        by ``land`` once the ids reach the host, one step later."""
+        out = launched.out
+        logits, launched.spans, histories, fast = self._plan(launched.sched, launched.rows, out.logits, index)
+        self.step_sampler.queue(launched, logits, fast, histories)
+        return launched
+
+    def land(self, launched: LaunchedStep) -> VerifiedStep:
+        """A launched step's sampled ids (waits for them), its drafts verified and rolled back."""
+        assert launched.spans is not None
+        sampled, result = self.step_sampler.land_sampled(launched)
+        return self._accept(launched.rows, launched.spans, sampled, _row_logprobs(result))
+
+    def _plan(self, sched: SchedulerOutput, rows: list[Row], logits: torch.Tensor, index: list[int] | None
+              ) -> tuple[torch.Tensor, list[tuple[int, list[int]]], list[list[int]], bool]:
+        """The logits to sample (grammar masks applied, one per row), each request's (first row, drafts), the
+        output each row's sampler sees, and whether every row is plain greedy."""
         logits, index = self.step_sampler.constrain(rows, logits, index)  # rows without drafts
         if index is not None:
             logits = logits[torch.tensor(index, device=logits.device)]
@@ -133,17 +166,13 @@ class SpecDecoder:
             i += len(drafts) + 1
         if len(histories) != len(rows):
             raise RuntimeError(f"{len(rows)} logits rows for {len(histories)} sampled positions")
+        return logits, spans, histories, fast
 
-        step_sampler = self.step_sampler
-        row_lps: list[RowLogprob] | None = None
-        if fast:
-            sampled = step_sampler.sampler.greedy(logits)
-        else:
-            result = step_sampler.sampler.to_output(step_sampler.full_sample(rows, logits, histories))
-            sampled = result.sampled_token_ids
-            if result.sampled_logprobs is not None:
-                row_lps = [(lp, tops) for lp, tops in zip(result.sampled_logprobs, result.logprobs, strict=True)]
-
+    def _accept(self, rows: list[Row], spans: list[tuple[int, list[int]]], sampled: list[int],
+                row_lps: list[RowLogprob] | None) -> VerifiedStep:
+        """Each request's emitted tokens: its drafts equal to the samples, then the next sample; the rejected
+        positions rolled back. A request that ended while its step was in flight (aborted) emits nothing that
+        counts: its verification is not recorded."""
         out_rows: list[Row] = []
         out_ids: list[int] = []
         out_lps: list[RowLogprob] | None = [] if row_lps is not None else None
@@ -155,7 +184,16 @@ class SpecDecoder:
             if out_lps is not None and row_lps is not None:
                 out_lps += row_lps[first:first + len(emitted)]
             if k:
+                req = rows[first][1].request
                 accepted = len(emitted) - 1
-                self.stats.record(k, accepted)
-                self.scheduler.rollback_drafts(rows[first][1].request, k - accepted)
+                if not req.is_finished:
+                    self.stats.record(k, accepted)
+                self.scheduler.rollback_drafts(req, k - accepted)
         return VerifiedStep(out_rows, out_ids, out_lps)
+
+
+def _row_logprobs(result: SamplerOutput | None) -> list[RowLogprob] | None:
+    """Each sampled row's (raw logprob, top-N), when some row asked for logprobs."""
+    if result is None or result.sampled_logprobs is None:
+        return None
+    return [(lp, tops) for lp, tops in zip(result.sampled_logprobs, result.logprobs, strict=True)]

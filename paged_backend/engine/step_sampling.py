@@ -44,6 +44,8 @@ class LaunchedStep:
     device_sample: DeviceSample | None = None
     landing: torch.Tensor | None = None
     event: torch.cuda.Event | None = None
+    # speculative decoding under async scheduling: (first row, drafts) per request, verified when the ids land
+    spans: list[tuple[int, list[int]]] | None = None
 
 
 class StepSampler:
@@ -54,7 +56,7 @@ class StepSampler:
         self.async_scheduling = async_scheduling
         self.max_num_seqs = max_num_seqs
         # pinned landing buffers of sampled ids (int64) and of full-sampler results (float64)
-        self._landing: dict[torch.dtype, torch.Tensor] = {}
+        self._landing: dict[tuple[torch.dtype, int], torch.Tensor] = {}
         self.num_async_steps = 0  # steps sampled on the device and processed one step later
         # structured outputs under async scheduling: the queued step's rows and their masks being filled
         self._ahead: tuple[list[Row], Future[StagedMasks | None]] | None = None
@@ -76,12 +78,21 @@ class StepSampler:
                 logits = logits[torch.tensor(index, device=logits.device)]
             launched.token_ids = self.sampler.greedy(logits) if fast else self._sample(rows, logits)
             return launched
+        self.queue(launched, logits, fast)
+        return launched
+
+    def queue(self, launched: LaunchedStep, logits: torch.Tensor, fast: bool,
+              histories: list[list[int]] | None = None) -> None:
+        """Async: sample ``launched``'s rows (one per row of ``logits``) on the device and copy the result to
+        pinned host memory behind an event; every sampled request has a token in flight until ``land``.
+        ``histories``: each row's output so far when not its request's (speculative decoding's draft rows)."""
+        rows = launched.rows
         if fast:
             tokens = src = logits.argmax(dim=-1)
         else:
             # the full sampler's results in one buffer: a blocking read in land() would wait
             # for the step queued after this one
-            ds = launched.device_sample = self.full_sample(rows, logits)
+            ds = launched.device_sample = self.full_sample(rows, logits, histories)
             tokens, src = ds.token_ids, self.sampler.pack(ds)
         launched.landing = self._landing_buffer(src)
         launched.landing.copy_(src, non_blocking=True)
@@ -92,7 +103,6 @@ class StepSampler:
         self.num_async_steps += 1
         for _, sample in rows:
             sample.request.num_pending = 1
-        return launched
 
     def constrain(self, rows: list[Row], logits: torch.Tensor, index: list[int] | None
                   ) -> tuple[torch.Tensor, list[int] | None]:
@@ -139,25 +149,34 @@ class StepSampler:
         """The step's sampled ids on the host (async: waits for them now)."""
         if launched.tokens is None:
             return launched.token_ids
+        token_ids, sampled = self.land_sampled(launched)
+        return token_ids if sampled is None else record_logprobs(launched.rows, sampled)
+
+    def land_sampled(self, launched: LaunchedStep) -> tuple[list[int], SamplerOutput | None]:
+        """A queued step's sampled ids, and the full sampler's results when it ran (logprobs not recorded yet);
+        waits for them now."""
         if launched.event is not None:
             launched.event.synchronize()
         assert launched.landing is not None
         host = launched.landing.tolist()
         ds = launched.device_sample
-        rows = launched.rows
-        token_ids = host if ds is None else record_logprobs(rows, self.sampler.unpack(ds, host))
-        for _, sample in rows:
+        for _, sample in launched.rows:
             sample.request.num_pending = 0
-        return token_ids
+        if ds is None:
+            return host, None
+        sampled = self.sampler.unpack(ds, host)
+        return sampled.sampled_token_ids, sampled
 
     def _landing_buffer(self, src: torch.Tensor) -> torch.Tensor:
-        """A host slice of ``src``'s size and dtype, pinned on CUDA, reused step after step (one
-        step's results are read in land() before the next step's land)."""
+        """A host slice of ``src``'s size and dtype, pinned on CUDA, reused step after step. Two buffers a dtype,
+        used in turn: a step is queued before the one queued before it lands (speculative decoding under async
+        scheduling), and each step's results are read in land() before the step after the next is queued."""
         n = src.shape[0]
-        buf = self._landing.get(src.dtype)
+        key = (src.dtype, self.num_async_steps % 2)
+        buf = self._landing.get(key)
         if buf is None or buf.shape[0] < n:
-            buf = self._landing[src.dtype] = torch.empty(max(n, 2 * self.max_num_seqs), dtype=src.dtype,
-                                                         pin_memory=src.device.type == "cuda")
+            buf = self._landing[key] = torch.empty(max(n, 2 * self.max_num_seqs), dtype=src.dtype,
+                                                   pin_memory=src.device.type == "cuda")
         return buf[:n]
 
     def full_sample(self, rows: list[Row], logits: torch.Tensor,

@@ -1,6 +1,8 @@
 """Speculative decoding (n-gram drafts) on the real SmolLM2 (fp32, CPU): greedy output equal to
 transformers' token for token whatever the batching, chunking, prefix caching or preemption did;
-temperature > 0 keeps the target's distribution; seeded requests reproduce; no block leaks."""
+temperature > 0 keeps the target's distribution; seeded requests reproduce; no block leaks. Most tests run
+synchronously and under async scheduling (forced on the CPU), where a request waits while its step is in
+flight and the engine's requests take turns in two half-size steps."""
 
 from __future__ import annotations
 
@@ -27,9 +29,12 @@ def _expected():
     return [hf_greedy(p) for p in PROMPTS]
 
 
-@functools.lru_cache(maxsize=1)
-def spec_llm():
-    return make_llm(speculative_config=SPEC)
+ASYNC = pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+
+
+@functools.lru_cache(maxsize=2)
+def spec_llm(async_: bool = False):
+    return make_llm(speculative_config=SPEC, async_scheduling=async_)
 
 
 def _check_drafts_verified(llm, before: int = 0) -> None:
@@ -37,8 +42,9 @@ def _check_drafts_verified(llm, before: int = 0) -> None:
     assert stats.num_drafts > before and stats.num_accepted_tokens > 0
 
 
-def test_greedy_batched_equals_transformers():
-    llm = spec_llm()
+@ASYNC
+def test_greedy_batched_equals_transformers(async_):
+    llm = spec_llm(async_)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(outs) == _expected()
     _check_drafts_verified(llm)
@@ -47,9 +53,11 @@ def test_greedy_batched_equals_transformers():
     assert_no_leak(llm.engine)
 
 
-def test_greedy_chunked_prefill_and_preemption():
+@ASYNC
+def test_greedy_chunked_prefill_and_preemption(async_):
     # 24 tokens a step: long prompts in chunks beside speculative steps; 15 usable blocks: preemption
-    llm = make_llm(speculative_config=SPEC, max_num_batched_tokens=24, num_gpu_blocks_override=16)
+    llm = make_llm(speculative_config=SPEC, max_num_batched_tokens=24, num_gpu_blocks_override=16,
+                   async_scheduling=async_)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(outs) == _expected()
     assert llm.engine.stats.num_preemptions_total > 0
@@ -57,8 +65,9 @@ def test_greedy_chunked_prefill_and_preemption():
     assert_no_leak(llm.engine)
 
 
-def test_greedy_prefix_cache_second_pass():
-    llm = spec_llm()
+@ASYNC
+def test_greedy_prefix_cache_second_pass(async_):
+    llm = spec_llm(async_)
     first = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
     hits = llm.engine.get_stats()["prefix_cache_hits"]
     second = _tokens(llm.generate(PROMPTS, GREEDY, use_tqdm=False))
@@ -67,8 +76,9 @@ def test_greedy_prefix_cache_second_pass():
     assert_no_leak(llm.engine)
 
 
-def test_stops_logprobs_and_n_match_plain_decoding(llm):
-    spec = spec_llm()
+@ASYNC
+def test_stops_logprobs_and_n_match_plain_decoding(llm, async_):
+    spec = spec_llm(async_)
     cases = [
         SamplingParams(max_tokens=20, temperature=0.0, stop=[" 3,"]),
         SamplingParams(max_tokens=20, temperature=0.0, stop_token_ids=[34]),  # the digit 2
@@ -93,12 +103,13 @@ def test_stops_logprobs_and_n_match_plain_decoding(llm):
     assert_no_leak(spec.engine)
 
 
-def test_structured_outputs_run_without_drafts_beside_speculative_rows(llm):
+@ASYNC
+def test_structured_outputs_run_without_drafts_beside_speculative_rows(llm, async_):
     import re
 
     from paged_backend.sampling_params import StructuredOutputsParams
 
-    spec = spec_llm()
+    spec = spec_llm(async_)
     before = spec.engine.spec.stats.num_drafts
     regex = SamplingParams(max_tokens=10, temperature=0.0, structured_outputs=StructuredOutputsParams(
         regex=r" [12][0-9]{3}\."))
@@ -110,8 +121,9 @@ def test_structured_outputs_run_without_drafts_beside_speculative_rows(llm):
     assert_no_leak(spec.engine)
 
 
-def test_seeded_sampling_reproducible_alone_and_in_a_batch():
-    llm = spec_llm()
+@ASYNC
+def test_seeded_sampling_reproducible_alone_and_in_a_batch(async_):
+    llm = spec_llm(async_)
     params = SamplingParams(max_tokens=16, temperature=0.8, seed=1234)
     alone = _tokens(llm.generate([COUNTING], params, use_tqdm=False))[0]
     again = _tokens(llm.generate([COUNTING], params, use_tqdm=False))[0]
@@ -135,6 +147,66 @@ def test_abort_in_the_middle_of_speculative_steps_leaks_nothing():
             engine.abort_request(drafted[0])
             aborted += 1
     assert aborted >= 1
+    assert_no_leak(engine)
+
+
+def _verifying_in_flight(engine) -> list[str]:
+    """Async scheduling: the requests whose drafts the step in flight verifies."""
+    f = engine._inflight
+    return [] if f is None else [s.request_id for s in f.sched.scheduled if s.num_draft]
+
+
+def test_async_abort_while_a_verification_is_in_flight_leaks_nothing():
+    """A request aborted while its drafts are verified on the device: its blocks are freed at once, its landed
+    tokens dropped and its rejected positions not rolled back (nothing left to roll back); the others keep
+    the synchronous engine's tokens."""
+    engine = make_llm(speculative_config=SPEC, async_scheduling=True).engine
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    prompts = [COUNTING, COUNTING + ", 3", PROMPTS[3], PROMPTS[1]]
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, params)
+    tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(prompts))}
+    aborted: set[str] = set()
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[out.request_id] += out.outputs[0].token_ids
+        verifying = [r for r in _verifying_in_flight(engine) if r not in aborted]
+        if verifying and len(aborted) < 2:
+            assert engine.abort_request(verifying[0]) is not None
+            aborted.add(verifying[0])
+    assert len(aborted) == 2
+    assert_no_leak(engine)
+    want = make_llm().generate(prompts, params, use_tqdm=False)
+    for i, w in enumerate(want):
+        if f"r{i}" not in aborted:
+            assert tokens[f"r{i}"] == w.outputs[0].token_ids
+
+
+def _counters(engine) -> tuple:
+    s = engine.spec.stats
+    return s.num_drafts, s.num_draft_tokens, s.num_accepted_tokens, s.accepted_per_pos
+
+
+def test_async_counters_equal_the_synchronous_engine_and_steps_overlap():
+    """The same greedy workload drafts and accepts exactly as the synchronous engine (each request proposes
+    after each of its steps either way), and a step is queued while the one before it is still in flight."""
+    prompts = [*PROMPTS, COUNTING]
+    sync = make_llm(speculative_config=SPEC)
+    want = _tokens(sync.generate(prompts, GREEDY, use_tqdm=False))
+    engine = make_llm(speculative_config=SPEC, async_scheduling=True).engine
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, GREEDY)
+    got: dict[str, list[int]] = {str(i): [] for i in range(len(prompts))}
+    overlapped = 0
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+        for out in outs:
+            got[out.request_id] += out.outputs[0].token_ids
+        # one step's outputs processed while the next (with drafts to verify) is on the device
+        overlapped += bool(outs) and bool(_verifying_in_flight(engine))
+    assert [got[str(i)] for i in range(len(prompts))] == want
+    assert overlapped > MAX_NEW // 4
+    assert _counters(engine) == _counters(sync.engine)
     assert_no_leak(engine)
 
 
@@ -177,7 +249,7 @@ def test_rejection_sampling_keeps_the_target_distribution():
     assert_no_leak(llm.engine)
 
 
-def test_stats_and_async_scheduling_refused():
+def test_stats_and_async_scheduling_off_by_default():
     llm = spec_llm()
     llm.generate([COUNTING], GREEDY, use_tqdm=False)
     stats = llm.engine.get_stats()
@@ -185,9 +257,8 @@ def test_stats_and_async_scheduling_refused():
     assert stats["spec_decode_num_drafts"] == spec.num_drafts > 0
     assert stats["spec_decode_num_accepted_tokens"] == sum(stats["spec_decode_num_accepted_tokens_per_pos"])
     assert stats["spec_decode_num_draft_tokens"] >= stats["spec_decode_num_accepted_tokens"]
-    assert not llm.engine.async_scheduling
-    with pytest.raises(ValueError, match="speculative_config"):
-        make_llm(speculative_config=SPEC, async_scheduling=True)
+    assert not llm.engine.async_scheduling  # the CPU; on one CUDA device too, unless asked for
+    assert spec_llm(True).engine.async_scheduling
 
 
 # -- a draft model: SmolLM2 as its own draft proposes exactly the target's greedy tokens ----------
@@ -203,8 +274,10 @@ def _all_accepted(llm) -> None:
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
 
 
-def test_draft_model_itself_greedy_all_accepted_under_chunking_preemption_and_forks():
-    llm = make_llm(speculative_config=_draft_spec(), max_num_batched_tokens=24, num_gpu_blocks_override=11)
+@ASYNC
+def test_draft_model_itself_greedy_all_accepted_under_chunking_preemption_and_forks(async_):
+    llm = make_llm(speculative_config=_draft_spec(), max_num_batched_tokens=24, num_gpu_blocks_override=11,
+                   async_scheduling=async_)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(outs) == _expected()
     assert llm.engine.stats.num_preemptions_total > 0
@@ -221,3 +294,12 @@ def test_draft_model_itself_greedy_all_accepted_under_chunking_preemption_and_fo
                          use_tqdm=False)
     assert batch[1].outputs[0].token_ids == alone
     assert_no_leak(llm.engine)
+
+
+def test_draft_model_async_counters_equal_the_synchronous_engine():
+    sync, asyn = (make_llm(speculative_config=_draft_spec(), async_scheduling=a) for a in (False, True))
+    want, got = (_tokens(e.generate(PROMPTS[:5], GREEDY, use_tqdm=False)) for e in (sync, asyn))
+    assert got == want == _expected()[:5]
+    assert _counters(asyn.engine) == _counters(sync.engine)
+    assert asyn.engine.num_async_steps > 0
+    assert_no_leak(asyn.engine)
