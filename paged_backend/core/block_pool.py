@@ -116,6 +116,10 @@ class PrefixCacheStats:
         self.queries += num_queried_tokens
         self.hits += num_hit_tokens
 
+    def record_hits(self, num_hit_tokens: int) -> None:
+        """More hits for the lookup recorded last (blocks of its chain found past the first miss)."""
+        self.hits += num_hit_tokens
+
     @property
     def hit_rate(self) -> float:
         return self.hits / self.queries if self.queries else 0.0
@@ -173,6 +177,11 @@ class BlockPool:
             block.ref_cnt = 1
             out.append(block)
         return out
+
+    def owns(self, block: KVCacheBlock) -> bool:
+        """Is ``block`` one of this pool's blocks (not another pool's block of the same id)?"""
+        block_id = block.block_id
+        return 0 <= block_id < self.num_blocks and self.blocks[block_id] is block
 
     def get_cached_block(self, block_hash: BlockHash) -> KVCacheBlock | None:
         """The block holding the content of ``block_hash``, in use or free; None on a miss."""

@@ -3,17 +3,20 @@
 No torch here. The scheduler drives it:
 
     blocks, n = mgr.get_computed_blocks(req)          # waiting request: longest cached prefix
-    host = mgr.get_host_computed_blocks(req, len(blocks))  # and its continuation in the host tier
-    new = mgr.allocate_slots(req, num_new, blocks, host)   # None -> nothing changed; preempt or wait
+    more = mgr.get_host_computed_blocks(req, len(blocks))  # its continuation, block by block in either tier
+    new = mgr.allocate_slots(req, num_new, blocks, more)   # None -> nothing changed; preempt or wait
     copies = mgr.take_pending_copies()                 # model runner copies KV src -> dst first
     ...forward writes K/V of the scheduled tokens...
     mgr.trim(req)                                      # rejected draft tokens given up
     mgr.free(req)                                      # finished, aborted or preempted
 
 With a host tier attached (``attach_host_tier``, core/swap.py) the prefix cache has two tiers:
-a cached block the device pool evicts is written back to the host, and ``allocate_slots`` gives a
-host hit a new device block that the host copy fills (``SwapSpace.take_copies``) before the
-forward; the hash chain is the same in both tiers.
+a cached block the device pool evicts is written back to the host. A lookup walks the hash chain
+block by block, taking each block from the device pool when it holds the hash and from the host
+otherwise, and stops at the first block in neither; ``allocate_slots`` uses a device hit in place
+(a reference, no copy) wherever it stands in the chain and gives a host hit a new device block
+that the host copy fills (``SwapSpace.take_copies``) before the forward; the hash chain is the
+same in both tiers.
 
 A request's block list covers its token positions in order: token ``p`` lives in slot
 ``p % block_size`` of ``blocks[p // block_size]``.
@@ -129,14 +132,33 @@ class KVCacheManager:
         return hit, num_hit_tokens
 
     def get_host_computed_blocks(self, request: Request, num_device_hits: int) -> list[KVCacheBlock]:
-        """The host tier's continuation of a device hit of ``num_device_hits`` blocks (after
-        ``get_computed_blocks``): host blocks, never covering the last token; records a query in the
-        host tier's ``stats``; takes no references (``allocate_slots`` does). [] without a tier."""
+        """The chain's continuation past a device run of ``num_device_hits`` blocks (after
+        ``get_computed_blocks``), with a host tier: block by block, the device pool's block when it
+        holds the hash, else the host tier's, stopping at the first block in neither (never covering
+        the last token). A hash held by both tiers is taken from the device. The list mixes the two
+        pools' blocks (``allocate_slots`` tells them apart by ``BlockPool.owns``). Counting: each
+        block counts as a hit of the tier that serves it, so the device blocks found here are added
+        to ``stats``' hits (its query was recorded by ``get_computed_blocks``) and the host tier's
+        ``stats`` records a query of the prompt's tokens with its host blocks as hits. Takes no
+        references (``allocate_slots`` does). [] without a tier."""
         host = self.host
         if host is None:
             return []
-        hit = host.lookup(request.block_hashes[num_device_hits:self._max_hit_blocks(request)])
-        host.stats.record(request.num_tokens, len(hit) * self.block_size)
+        on_device, on_host = self.block_pool.get_cached_block, host.pool.get_cached_block
+        hit: list[KVCacheBlock] = []
+        num_device = 0
+        for block_hash in request.block_hashes[num_device_hits:self._max_hit_blocks(request)]:
+            block = on_device(block_hash)
+            if block is not None:
+                num_device += 1
+            else:
+                block = on_host(block_hash)
+                if block is None:
+                    break
+            hit.append(block)
+        bs = self.block_size
+        self.block_pool.stats.record_hits(num_device * bs)
+        host.stats.record(request.num_tokens, (len(hit) - num_device) * bs)
         return hit
 
     def _max_hit_blocks(self, request: Request) -> int:
@@ -152,15 +174,17 @@ class KVCacheManager:
         host_computed_blocks: list[KVCacheBlock] | None = None,
     ) -> list[KVCacheBlock] | None:
         """Make room for ``num_computed + num_new_tokens`` tokens, where num_computed is
-        ``request.num_computed_tokens`` plus the prefix-hit blocks ``new_computed_blocks`` and the
-        host tier's hits after them, ``host_computed_blocks`` (each gets the next new device block,
-        filled by a host copy queued in the tier).
+        ``request.num_computed_tokens`` plus the prefix-hit blocks ``new_computed_blocks`` (the device
+        run) and the chain's continuation after them, ``host_computed_blocks`` (from
+        ``get_host_computed_blocks``): a device block there is used in place like the run's, a host
+        block gets the next new device block, filled by a host copy queued in the tier.
 
         Takes references on the hit blocks, copies (COW) any shared block that the new tokens
         write into, appends fresh blocks, then caches every block those tokens fill.
-        Returns the blocks appended at the end of the request's list (COW replacements show
-        in ``get_block_ids`` and ``take_pending_copies``), or None -- changing nothing -- when
-        the pool cannot provide them. Check the result with ``is None``: ``[]`` is success.
+        Returns the new device blocks in list order (those filled from the host, then those appended
+        at the end; COW replacements show in ``get_block_ids`` and ``take_pending_copies``), or
+        None -- changing nothing -- when the pool cannot provide them. Check the result with
+        ``is None``: ``[]`` is success.
         """
         req_id = request.request_id
         blocks = self._req_blocks.get(req_id)
@@ -188,14 +212,17 @@ class KVCacheManager:
                     return []
         if num_new_tokens < 0:
             raise ValueError(f"num_new_tokens must be >= 0, got {num_new_tokens}")
-        hit_blocks = new_computed_blocks or []
-        host_hits = host_computed_blocks or []
+        run = new_computed_blocks or []
+        continued = host_computed_blocks or []
         if blocks is None:
             blocks = []
-        if (hit_blocks or host_hits) and blocks:
+        if (run or continued) and blocks:
             raise ValueError(f"request {req_id} already holds blocks; prefix hits are for new requests")
+        owns = self.block_pool.owns
+        hit_blocks = run + [b for b in continued if owns(b)] if continued else run  # used in place
+        host_hits = [b for b in continued if not owns(b)]
 
-        num_computed = request.num_computed_tokens + (len(hit_blocks) + len(host_hits)) * self.block_size
+        num_computed = request.num_computed_tokens + (len(run) + len(continued)) * self.block_size
         num_total = num_computed + num_new_tokens
         num_held = len(blocks) + len(hit_blocks)
         num_fresh = max(0, _cdiv(num_total, self.block_size) - num_held)
@@ -206,18 +233,23 @@ class KVCacheManager:
         if num_fresh + len(cow_indices) > self.block_pool.num_free_blocks - num_free_hits:
             return None
 
-        self.block_pool.touch(hit_blocks)
+        self.block_pool.touch(hit_blocks)  # before allocating, which then never evicts them
         if host_hits:  # held first: the allocations below may write evicted blocks back to the host
             self.host.hold(host_hits)
-        blocks.extend(hit_blocks)
         self._req_blocks[req_id] = blocks
-        self._num_cached_blocks.setdefault(req_id, len(hit_blocks))
+        self._num_cached_blocks.setdefault(req_id, len(run))
         for i in cow_indices:
             self._copy_on_write(blocks, i)
         fresh = self.block_pool.get_new_blocks(num_fresh)
-        if host_hits:
-            self.host.load(host_hits, [b.block_id for b in fresh[:len(host_hits)]])
-        blocks.extend(fresh)
+        blocks.extend(run)
+        if continued:  # the chain in order: a device block in place, a host hit into the next new block
+            loaded = iter(fresh)
+            blocks.extend(b if owns(b) else next(loaded) for b in continued)
+            if host_hits:
+                self.host.load(host_hits, [b.block_id for b in fresh[:len(host_hits)]])
+            blocks.extend(loaded)
+        else:
+            blocks.extend(fresh)
         self.req_block_ids[req_id] = [b.block_id for b in blocks]
         self._cache_full_blocks(request, blocks, min(num_total, request.num_tokens))
         bs = self.block_size  # the written blocks are private now (copied on write)

@@ -16,8 +16,9 @@ Swap preemption:
 The prefix tier (``prefix_tier``, with prefix caching on; ``KVCacheManager.attach_host_tier``):
 a full device block evicted from the device pool's free queue (its hash still valid) is written
 back here (``write_back``: a host block cached under the same hash, LRU like the device pool, the
-host's least recent cached block evicted when none is free), and a prefix lookup that misses on
-the device continues here (``lookup``); a hit is copied back into a new device block
+host's least recent cached block evicted when none is free), and a prefix lookup takes each block of
+its chain that the device pool misses from here (``pool.get_cached_block``; the walk is
+``KVCacheManager.get_host_computed_blocks``); a hit is copied back into a new device block
 (``hold`` then ``load``) instead of being recomputed. A swapped-out request's full blocks are
 cached under their hashes too, so they serve prefix hits and are not written back a second time.
 
@@ -157,17 +158,6 @@ class SwapSpace:
         self._held.append(block)
         self._pending_out.append((device_block_id, block.block_id))
         self.num_written_back_blocks += 1
-
-    def lookup(self, block_hashes: Sequence[BlockHash]) -> list[KVCacheBlock]:
-        """The longest run of ``block_hashes`` cached here, from the first; takes no reference."""
-        hit: list[KVCacheBlock] = []
-        get = self.pool.get_cached_block
-        for block_hash in block_hashes:
-            block = get(block_hash)
-            if block is None:
-                break
-            hit.append(block)
-        return hit
 
     def hold(self, blocks: list[KVCacheBlock]) -> None:
         """Keep prefix-hit host blocks until this step's plan is made: before the device blocks for them
