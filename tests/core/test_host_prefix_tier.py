@@ -1,17 +1,21 @@
 """The host tier as the prefix cache's second tier, over the real KVCacheManager, SwapSpace and Scheduler
 with exact block ids (no torch): evicted cached blocks are written back to the host, a lookup takes each
 block of its chain from the device when it is there and from the host otherwise (copied back), LRU on the
-host, the accounting of both pools, and aborts in every state leaving both pools whole.
+host, the accounting of both pools, aborts in every state leaving both pools whole, and random walks that
+keep what every block of both tiers holds, copied in the runner's order.
 
 Blocks of 4 tokens; device: 4 usable blocks, host: 3 (unless a test says otherwise).
 """
 
 from __future__ import annotations
 
+import random
+
 from swap_sim import SwapSim, rows
 
 from paged_backend.core.block_hash import hash_block_tokens
 from paged_backend.core.request import Request, RequestStatus
+from paged_backend.core.scheduler import SchedulerOutput
 from paged_backend.core.swap import SwapSpace
 from paged_backend.sampling_params import SamplingParams
 
@@ -399,7 +403,7 @@ class ShadowKV:
         self.host: dict[int, list[int | None]] = {}
         self.hash_tokens: dict[bytes, list[int]] = {}
 
-    def run(self, out) -> None:
+    def run(self, out: SchedulerOutput) -> None:
         for dev, host in out.blocks_to_swap_out:
             self.host[host] = list(self.device.get(dev, [None] * BS))
         for host, dev in out.blocks_to_swap_in:
@@ -441,8 +445,6 @@ def test_random_walks_keep_every_block_right_in_both_tiers() -> None:
     small token budgets, decode, aborts, preemption by recompute or swap: every computed token of every
     running or swapped request is in its block, every cached block of either tier holds its hash's tokens,
     ref counts match the holders, and the chain walks mix the tiers (counted, so the walk is exercised)."""
-    import random
-
     mixed = 0
     for seed in range(6):
         rng = random.Random(seed)
