@@ -41,6 +41,35 @@ def load_draft_runner(config: EngineConfig, target_info: ModelInfo, device: torc
     return ModelRunner(draft_config, model_dir, info, device, dtype)
 
 
+def allocate_lookahead(kv: KVCacheManager, req: Request, n: int) -> bool:
+    """Slots for ``n`` lookahead positions from ``req.num_computed_tokens`` (the last known token's, then the
+    drafts'), written by the proposer's passes but not by the target until a verification step computes them.
+
+    Refused (no room, or) when the last known token ends a block: the allocation would enter that block in the
+    prefix cache (its tokens are all known) while the target's KV of its last slot is not written yet, and a
+    request that hits it before the verification runs (this one preempted meanwhile, say) would read that
+    slot unwritten."""
+    if kv.enable_caching and (req.num_computed_tokens + 1) % kv.block_size == 0:
+        return False
+    return kv.allocate_slots(req, n) is not None
+
+
+def apply_lookahead_copies(kv: KVCacheManager, target: ModelRunner, draft: ModelRunner | None = None) -> None:
+    """The copies that lookahead allocations queued, run now, before the passes write: the cached blocks they
+    evicted written back to the host tier first (a block is reused at once, by a copy-on-write below or a
+    pass; left for the next step's plan, its write-back would copy what was written since), then the
+    copy-on-write of shared last blocks, in every cache (the draft model's too)."""
+    write_backs, loads = kv.take_pending_swaps()
+    assert not loads, "a lookahead allocation loads no prefix hit"
+    if write_backs:
+        target.swap_blocks(write_backs, [])
+    copies = kv.take_pending_copies()
+    if copies:
+        target.copy_blocks(copies)
+        if draft is not None:
+            draft.copy_blocks(copies)
+
+
 class DraftModelProposer:
     def __init__(self, config: EngineConfig, runner: ModelRunner, target: ModelRunner, kv: KVCacheManager) -> None:
         """``runner``: the draft's (``load_draft_runner``); ``target``: its cache already allocated."""
@@ -63,12 +92,9 @@ class DraftModelProposer:
         for req in requests:
             k = min(self.k, req.max_tokens - len(req.output_token_ids) - 1, max_model_len - len(req.all_token_ids) - 1)
             req.spec_token_ids = []
-            if k > 0 and kv.allocate_slots(req, k) is not None:  # the passes write positions p .. p + k - 1
+            if k > 0 and allocate_lookahead(kv, req, k):  # the passes write positions p .. p + k - 1
                 entries.append((req, k))
-        copies = kv.take_pending_copies()  # copy-on-write of a shared last block: both caches, now
-        if copies:
-            self.target.copy_blocks(copies)
-            self.runner.copy_blocks(copies)
+        apply_lookahead_copies(kv, self.target, self.runner)
         for j in range(max((k for _, k in entries), default=0)):
             live = [req for req, k in entries if k > j]
             sched = SchedulerOutput([ScheduledRequest.lookahead(

@@ -27,6 +27,7 @@ import torch
 from paged_backend.config import EngineConfig
 from paged_backend.core.request import Request
 from paged_backend.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
+from paged_backend.engine.draft_model import allocate_lookahead, apply_lookahead_copies
 from paged_backend.models.model_info import ModelInfo
 from paged_backend.sample.sampler import Sampler
 from paged_backend.worker.model_runner import ModelRunner
@@ -104,7 +105,8 @@ class MTPProposer:
             tokens = req.all_token_ids[start + 1 : start + n + 1]
             if len(tokens) != n:
                 raise RuntimeError(f"request {req.request_id}: {len(tokens)} next tokens for {n} MTP positions")
-            samples = req.request_id in wanted
+            # the step that computed the request's last position drafts (two landed at once: not the earlier)
+            samples = req.request_id in wanted and start + n == req.num_computed_tokens
             spans.append(_span(req.request_id, start, tokens, self.kv.get_block_ids(req.request_id), samples))
             rows += range(first, first + n)
             req.spec_token_ids = []
@@ -126,11 +128,9 @@ class MTPProposer:
                 continue
             req.spec_token_ids = [tok]
             # the passes write positions P .. P + k - 2: without room, the first draft alone
-            if k > 1 and kv.allocate_slots(req, k - 1) is not None:
+            if k > 1 and allocate_lookahead(kv, req, k - 1):
                 entries.append((req, k, row))
-        copies = kv.take_pending_copies()  # copy-on-write of a shared last block: every cache layer, now
-        if copies:
-            self.runner.copy_blocks(copies)
+        apply_lookahead_copies(kv, self.runner)  # every cache layer, the MTP layers' included
         for j in range(1, max((k for _, k, _ in entries), default=0)):
             entries = [e for e in entries if e[1] > j]
             sched = SchedulerOutput([ScheduledRequest.lookahead(

@@ -202,11 +202,14 @@ def test_the_engine_drafts_are_the_formula_drafts_step_after_step(family, tmp_pa
     assert_no_leak(engine)
 
 
-@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}], ids=["batched", "chunked"])
+@pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}, {"async_scheduling": True},
+                                {"max_num_batched_tokens": 16, "async_scheduling": True}],
+                         ids=["batched", "chunked", "async", "async-chunked"])
 def test_greedy_with_mtp_drafts_equals_greedy_without(family, kw) -> None:
     """Two drafts a step (the one MTP layer reused for the second), prompts prefilled whole or in chunks of 16
-    beside verification steps: the tokens are the plain engine's, the drafts were verified, every block is
-    back."""
+    beside verification steps, synchronously or under async scheduling (a step's MTP pass then runs after the
+    next step's forward, on the hidden states its own forward kept): the tokens are the plain engine's, the
+    drafts were verified, every block is back."""
     path, expected = family
     llm = tiny_llm(path, speculative_config=MTP, **kw)
     assert greedy_tokens(llm) == expected
@@ -216,13 +219,14 @@ def test_greedy_with_mtp_drafts_equals_greedy_without(family, kw) -> None:
     assert_no_leak(llm.engine)
 
 
-def test_swap_preemption_forks_and_prefix_hits_keep_the_tokens(family) -> None:
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_swap_preemption_forks_and_prefix_hits_keep_the_tokens(family, async_) -> None:
     """A cache of 7 usable blocks preempts by swap (the MTP layer's blocks go to the host tier and back with the
-    others), two greedy samples of each prompt fork, a second pass hits the prefix cache: the plain engine's
-    tokens."""
+    others; under async scheduling a request whose verification is in flight is recomputed instead), two greedy
+    samples of each prompt fork, a second pass hits the prefix cache: the plain engine's tokens."""
     path, expected = family
     llm = tiny_llm(path, speculative_config=MTP, kv_cache_memory_bytes=None, num_gpu_blocks_override=8,
-                   preemption_mode="swap", swap_space=0.01)
+                   preemption_mode="swap", swap_space=0.01, async_scheduling=async_)
     assert llm.engine.runner.host_caches and len(llm.engine.runner.host_caches) == len(llm.engine.runner.kv_caches)
     assert greedy_tokens(llm) == expected
     assert llm.engine.stats.num_preemptions_total > 0 and llm.engine.spec.stats.num_drafts > 0
@@ -245,9 +249,11 @@ def test_the_mtp_cache_counts_in_the_kv_budget(family) -> None:
                                                                  budget // spec.runner.bytes_per_block)
 
 
-def test_an_abort_in_the_middle_of_speculative_steps_leaks_nothing(family) -> None:
+@pytest.mark.parametrize("async_", [False, True], ids=["sync", "async"])
+def test_an_abort_in_the_middle_of_speculative_steps_leaks_nothing(family, async_) -> None:
     path, _ = family
-    engine = tiny_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}).engine
+    engine = tiny_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3},
+                      async_scheduling=async_).engine
     assert _abort_between_speculative_steps(engine) >= 1 and engine.spec.stats.num_drafts > 0
     assert_no_leak(engine)
 
@@ -301,6 +307,15 @@ def test_an_mtp_layer_that_predicts_well_gets_its_drafts_accepted(name, tmp_path
     assert stats.accepted_per_pos[0] >= stats.accepted_per_pos[1] >= stats.accepted_per_pos[2] > 0
     assert llm.engine.stats.num_steps < len(PROMPTS) * GREEDY.max_tokens // 2  # several tokens a step
     assert_no_leak(llm.engine)
+    # under async scheduling: the same tokens, drafts and acceptances (each request drafts after each of its
+    # steps either way)
+    asyn = tiny_llm(path, speculative_config={"method": "mtp", "num_speculative_tokens": 3}, async_scheduling=True)
+    assert greedy_tokens(asyn) == expected
+    a = asyn.engine.spec.stats
+    assert (a.num_drafts, a.num_draft_tokens, a.num_accepted_tokens, a.accepted_per_pos) == (
+        stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, stats.accepted_per_pos)
+    assert asyn.engine.num_async_steps > 0
+    assert_no_leak(asyn.engine)
 
 
 def test_an_mtp_layer_stored_without_its_head_uses_the_model_head(tmp_path) -> None:
