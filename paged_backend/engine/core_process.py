@@ -37,6 +37,7 @@ import os
 import pickle
 import queue
 import signal
+import socket
 import sys
 import threading
 import time
@@ -53,6 +54,9 @@ from paged_backend.sample.grammar import SerializedGrammar
 logger = logging.getLogger(__name__)
 
 EXIT_RETRY_S = 0.05  # shared core without clients: how often it retries the run directory's lock to exit
+# a shared core's front end whose messages wait this long in a send (it stopped reading) is dropped
+STALL_ENV = "PAGED_BACKEND_FRONT_END_STALL_S"
+DEFAULT_STALL_S = 60.0
 
 
 @dataclass
@@ -78,14 +82,97 @@ class CoreOutputs:
     dead: str | None = None  # the loop died: why
 
 
+def merge_outputs(into: CoreOutputs, later: CoreOutputs) -> None:
+    """``later`` appended to ``into`` (not sent yet): deltas, step tokens, acks and errors in order, the
+    later stats."""
+    into.outputs += later.outputs
+    into.step_tokens += later.step_tokens
+    into.acks += later.acks
+    into.errors += later.errors
+    into.stats = later.stats or into.stats
+    into.dead = later.dead or into.dead
+
+
+class ClientWriter:
+    """A shared core's sends to one front end, on a thread of its own: a front end that stops reading (a
+    stopped process: its socket buffer fills) then blocks only this thread. The core's loop queues each
+    message (``put``, merged into the one still queued while a send is under way) and keeps stepping for
+    the others; it drops the front end once a send has waited ``stall_s`` (``stalled``)."""
+
+    def __init__(self, conn: Connection, stall_s: float) -> None:
+        self.conn = conn
+        self.stall_s = stall_s
+        self._lock = threading.Lock()
+        self._queued: CoreOutputs | None = None
+        self._wake = threading.Event()
+        self._closing = False
+        self.sending_since: float | None = None  # monotonic start of the send under way
+        self.broken = False  # a send failed: the front end is gone
+        self._thread = threading.Thread(target=self._loop, name="paged-backend-core-send", daemon=True)
+        self._thread.start()
+
+    def put(self, msg: CoreOutputs) -> None:
+        with self._lock:
+            if self._queued is None:
+                self._queued = msg
+            else:
+                merge_outputs(self._queued, msg)
+        self._wake.set()
+
+    def stalled(self, now: float) -> bool:
+        since = self.sending_since
+        return since is not None and now - since > self.stall_s
+
+    def _loop(self) -> None:
+        while True:
+            self._wake.wait()
+            self._wake.clear()
+            with self._lock:
+                msg, self._queued = self._queued, None
+            if msg is not None:
+                self.sending_since = time.monotonic()
+                try:
+                    self.conn.send(msg)
+                except (OSError, ValueError):
+                    self.broken = True
+                    return
+                self.sending_since = None
+            if self._closing and self._queued is None:
+                return
+
+    def close(self, flush_s: float) -> None:
+        """Send what is queued (up to ``flush_s``; a stalled front end gets nothing more), then shut the
+        socket down, which also ends a send blocked on it."""
+        self._closing = True
+        self._wake.set()
+        self._thread.join(flush_s)
+        try:  # a dup of the descriptor: shutting it down acts on the socket the blocked send writes to
+            with socket.socket(fileno=os.dup(self.conn.fileno())) as sock:
+                sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._thread.join(1.0)
+
+
 @dataclass(eq=False)
 class CoreClient:
-    """The core's side of one front end: its connection, its requests (core ids), what it is owed."""
+    """The core's side of one front end: its connection, its requests (core ids), what it is owed, and (a
+    shared core's) the thread that sends to it."""
 
     cid: int
     conn: Connection
     requests: set[str] = field(default_factory=set)
     pending: CoreOutputs = field(default_factory=CoreOutputs)
+    writer: ClientWriter | None = None
+
+    def send(self, msg: CoreOutputs) -> None:
+        """To the front end: queued on its writer (shared core), else sent now (raises when it is gone)."""
+        if self.writer is None:
+            self.conn.send(msg)
+        elif self.writer.broken:
+            raise BrokenPipeError("the front end's connection broke")
+        else:
+            self.writer.put(msg)
 
 
 def portable(exc: BaseException) -> BaseException:
@@ -203,6 +290,7 @@ class EngineCore:
         self._ids = itertools.count()
         self._changed = False  # a front end attached or left, a request was aborted: every client gets the stats
         self.stopped = False
+        self.stall_s = float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
 
     def adopt(self, conn: Connection) -> None:
         """A new front end: tell it who it is and what the engine is; from now on its commands are read."""
@@ -216,7 +304,8 @@ class EngineCore:
         self.clients[client.cid] = client
         self._by_conn[conn] = client
         self._changed = True
-        if self.acceptor is not None:
+        if self.acceptor is not None:  # one front end that stops reading must not hold up the others
+            client.writer = ClientWriter(conn, self.stall_s)
             logger.info("front end %d attached (%d attached)", client.cid, len(self.clients))
 
     def run(self) -> None:
@@ -242,14 +331,17 @@ class EngineCore:
                     self._send(everyone=True)
                 else:
                     self._send(everyone=self._changed)
+                if self.acceptor is not None:
+                    self._drop_stalled()
         except BaseException as exc:  # report, then exit: the front ends fail every request
             logger.exception("engine core loop died")
             for client in list(self.clients.values()):
                 try:
-                    client.conn.send(CoreOutputs(outputs=client.pending.outputs, dead=f"the engine core loop died: "
-                                                 f"{exc!r}"))
+                    client.send(CoreOutputs(outputs=client.pending.outputs, dead=f"the engine core loop died: {exc!r}"))
                 except (OSError, ValueError):
                     pass
+                if client.writer is not None:
+                    client.writer.close(flush_s=1.0)
 
     def _wait_for_clients(self) -> bool:
         """No client: a private core is done; a shared one exits under the run directory's lock, unless a
@@ -286,8 +378,14 @@ class EngineCore:
         except (EOFError, OSError):  # the front end is gone
             self._drop(client, "its connection closed")
 
+    def _drop_stalled(self) -> None:
+        now = time.monotonic()
+        for client in list(self.clients.values()):
+            if client.writer is not None and client.writer.stalled(now):
+                self._drop(client, f"it read nothing for {self.stall_s:g} s")
+
     def _drop(self, client: CoreClient, why: str) -> None:
-        """A front end is gone or detached: every request it had is aborted, blocks freed now."""
+        """A front end is gone, detached or stopped reading: every request it had is aborted, blocks freed now."""
         if self.clients.pop(client.cid, None) is None:
             return
         self._by_conn.pop(client.conn, None)
@@ -298,6 +396,8 @@ class EngineCore:
             logger.info("front end %d detached (%s): %d request(s) aborted, %d front end(s) left", client.cid,
                         why, len(client.requests), len(self.clients))
         client.requests.clear()
+        if client.writer is not None:  # a detaching front end gets its acknowledgement first
+            client.writer.close(flush_s=0.0 if client.writer.stalled(time.monotonic()) else 1.0)
         client.conn.close()
         if self.acceptor is None:
             self.stopped = True  # a private core serves its one front end
@@ -338,9 +438,9 @@ class EngineCore:
             if stats is None:  # with the outputs: a caller that sees its end sees its counts
                 stats, tokens = self._stats(), self.engine.stats.take_step_tokens()
             client.pending = CoreOutputs()
-            msg.stats, msg.step_tokens = stats, tokens  # type: ignore[assignment]
+            msg.stats, msg.step_tokens = stats, list(tokens)  # type: ignore[arg-type]  # a list each: merged per client
             try:
-                client.conn.send(msg)
+                client.send(msg)
             except (OSError, ValueError):
                 self._drop(client, "its connection broke")
 
@@ -373,7 +473,7 @@ class EngineCore:
         msg, client.pending = client.pending, CoreOutputs()
         msg.stats = self._stats()
         try:
-            client.conn.send(msg)
+            client.send(msg)
         except (OSError, ValueError):
             pass
 

@@ -1,11 +1,13 @@
 """A shared engine core (``engine_core_shared``): several front ends on one core process. Each gets its own
 greedy outputs (equal to in-process), the same request id from two front ends does not clash, a front end
 that is killed has its requests aborted and their blocks freed while the others stream on, a dead core fails
-every front end's requests and health, and the core leaves with its last front end."""
+every front end's requests and health, a front end that stops reading is dropped (its requests aborted) while the
+others stream on, and the core leaves with its last front end."""
 
 from __future__ import annotations
 
 import asyncio
+import signal
 import socket
 import subprocess
 import sys
@@ -217,4 +219,61 @@ def test_a_run_directory_others_can_read_is_refused(run_dir):
     run_dir.chmod(0o755)  # the key file would be for everyone to find
     with pytest.raises(PermissionError, match="must belong to this user"):
         EngineCoreClient(EngineConfig(**_args(engine_core_shared=True)))
+    assert not _core_processes()
+
+
+STALLED_FRONT_END = """
+import asyncio, sys
+from paged_backend import EngineConfig, SamplingParams
+from paged_backend.engine.core_client import EngineCoreClient
+
+client = EngineCoreClient(EngineConfig.model_validate_json(sys.argv[1]))
+# 20 logprobs per token: its messages are large, so its socket buffer fills within a few steps once it stops reading
+params = SamplingParams(max_tokens=400, ignore_eos=True, temperature=0, logprobs=20)
+
+async def stream(rid):
+    async for d in client.generate(rid, "The capital of France is", params):
+        print(rid, flush=True)
+
+async def main():
+    await asyncio.gather(*(stream(f"s{i}") for i in range(4)))
+
+asyncio.run(main())
+"""
+
+
+def test_a_front_end_that_stops_reading_is_dropped_while_another_streams(monkeypatch):
+    from paged_backend.engine.core_process import STALL_ENV
+
+    monkeypatch.setenv(STALL_ENV, "2")  # the core inherits it from the front end that starts it
+    config = EngineConfig(**_args(engine_core_shared=True, max_model_len=1024))
+    a = EngineCoreClient(config)
+    stalled = subprocess.Popen([sys.executable, "-c", STALLED_FRONT_END, config.model_dump_json()],
+                               stdout=subprocess.PIPE, text=True)
+    try:
+        aborted_before = a.stats()["num_aborted_total"]
+        seen: set[str] = set()
+        while seen != {f"s{i}" for i in range(4)}:  # all four stream, then the process stops (not dead)
+            seen.add(stalled.stdout.readline().strip())
+        stalled.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        # ours streams to the end (its sends do not wait behind the stopped one's) ...
+        tokens = asyncio.run(_tokens(a, "ours", PROMPTS[0], OURS))
+        assert len(tokens) == OURS.max_tokens
+        # ... and the stopped front end is dropped once a send to it has waited 2 s: its requests aborted
+        state = a.core_state()
+        while state["num_clients"] != 1 and time.monotonic() - t0 < 60:
+            time.sleep(0.2)
+            state = a.core_state()
+        assert state["num_clients"] == 1 and state["num_unfinished"] == 0
+        assert state["num_free_blocks"] == state["num_total_usable"]
+        assert a.stats()["num_aborted_total"] == aborted_before + 4
+        stalled.send_signal(signal.SIGCONT)  # it finds its connection closed: its requests fail, it exits
+        assert stalled.wait(60) != 0
+        assert len(asyncio.run(_tokens(a, "after", PROMPTS[1], GREEDY))) == GREEDY.max_tokens
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+        stalled.kill()
+        stalled.wait()
+        a.shutdown()
     assert not _core_processes()
