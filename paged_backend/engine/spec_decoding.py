@@ -9,7 +9,9 @@ drafts equal to those samples and the sample after them (``spec_decode/acceptanc
 is rejection sampling for a proposer with a one-hot draft distribution, so the output is
 distributed as the target's), and rolls the rejected positions back in the scheduler.
 Structured outputs opt out (their grammar accepts one token per step): such requests get no
-drafts. Steps run synchronously while speculative decoding is on.
+drafts. Under async scheduling (``launch`` / ``land``) a step's rows are sampled on the device and
+verified when the next engine step lands them; a request waits while its step is in flight (the count
+of kept drafts decides its next positions), see docs/ARCHITECTURE.md 2.6.
 """
 
 from __future__ import annotations
