@@ -41,6 +41,18 @@ def test_no_kernels_folder_shadows_hugging_faces_from_the_repository_root():
     assert not _ours(json.loads(out.stdout)["top_kernels"])
 
 
+def test_every_subpackage_is_in_the_wheel():
+    """The wheel's package list is explicit (``adapters`` maps from outside the package's folder): every
+    folder with an ``__init__.py`` under ``paged_backend/`` must be in it, or an installed engine fails to
+    import (the editable install of the tests would not notice)."""
+    import tomllib
+
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "paged_backend").rglob("__init__.py")}
+    assert found - listed == set()
+    assert "paged_backend.adapters" in listed
+
+
 def _ours(origin: str | None) -> bool:
     """Whether a module file is of this repository's sources (an installed package, even in a venv inside
     the checkout, is not)."""
