@@ -57,7 +57,8 @@ class EngineConfig(BaseModel):
     attention_backend: Literal["auto", "torch", "triton"] = "auto"
     enforce_eager: bool = Field(False, description="never use CUDA graphs")
     async_scheduling: bool | None = Field(None, description="schedule step t+1 while step t runs on the device "
-                                          "(default: on for one CUDA device, off on the CPU)")
+                                          "(default: on for one CUDA device without speculative "
+                                          "decoding, off on the CPU)")
     max_cudagraph_capture_size: int = Field(1024, ge=1, description="largest decode batch captured as a CUDA graph "
                                             "(capped at max_num_seqs)")
     speculative_config: SpeculativeConfig | None = Field(

@@ -75,7 +75,8 @@ _ENGINE_BOOLS: dict[str, tuple[str, bool, str]] = {
     "--enable-expert-parallel": ("enable_expert_parallel", True, "MoE under tensor parallelism: whole experts "
                                  "per rank (default: off)"),
     "--async-scheduling": ("async_scheduling", True, "schedule step t+1 while step t runs (default: on for one "
-                           "CUDA device, off on the CPU)"),
+                           "CUDA device without --speculative-config, off on the CPU; with it, requests take "
+                           "turns in half-size steps)"),
     "--no-async-scheduling": ("async_scheduling", False, "turn async scheduling off"),
     "--engine-core-process": ("engine_core_process", True, "step the engine in a process of its own (serving: "
                               "the HTTP front end and the engine loop then do not share a GIL; default: a "
