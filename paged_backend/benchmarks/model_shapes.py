@@ -118,3 +118,21 @@ def pad_tokenizer(src: str | os.PathLike[str], dst: str | os.PathLike[str], voca
     with open(dst / "tokenizer.json", "w", encoding="utf-8") as f:
         json.dump(spec, f, ensure_ascii=False)
     return len(free)
+
+
+def add_model_shapes_args(p, tokenizer: bool = True) -> None:
+    """``--model-shapes`` (and with ``tokenizer``, ``--tokenizer-from``) on a bench subcommand's parser."""
+    p.add_argument("--model-shapes", choices=sorted(MODEL_SHAPES), default=None,
+                   help="random weights of these shapes (implies --load-format dummy)")
+    if tokenizer:
+        p.add_argument("--tokenizer-from", default=None, metavar="DIR",
+                       help="with --model-shapes: an HF tokenizer dir copied in, padded to the shapes' vocabulary "
+                            "(structured outputs need one)")
+
+
+def model_shapes_overrides(args) -> dict[str, Any]:
+    """The engine fields ``--model-shapes`` sets: its written config dir and dummy weights ({} without it)."""
+    if not args.model_shapes:
+        return {}
+    return {"model": write_shape_config(args.model_shapes, getattr(args, "tokenizer_from", None)),
+            "load_format": "dummy"}

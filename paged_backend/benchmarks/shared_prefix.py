@@ -20,7 +20,7 @@ import time
 from collections import deque
 from typing import Any
 
-from paged_backend.benchmarks.model_shapes import MODEL_SHAPES, write_shape_config
+from paged_backend.benchmarks.model_shapes import add_model_shapes_args, model_shapes_overrides
 
 
 def shared_prefix_prompts(num_docs: int, doc_len: int, questions: int, question_len: int, vocab: int,
@@ -53,8 +53,7 @@ def add_shared_prefix_parser(sub) -> None:
     p = sub.add_parser("shared-prefix", help="D documents of L tokens, each asked Q questions: TTFT and throughput "
                                              "of the prefix cache (with or without --swap-space)")
     add_engine_args(p, model_positional=True)
-    p.add_argument("--model-shapes", choices=sorted(MODEL_SHAPES), default=None,
-                   help="random weights of these shapes (implies --load-format dummy)")
+    add_model_shapes_args(p, tokenizer=False)
     p.add_argument("--num-docs", type=int, default=64, help="distinct documents (D)")
     p.add_argument("--doc-len", type=int, default=2048, help="tokens per document (L)")
     p.add_argument("--questions-per-doc", type=int, default=4, help="questions asked of each document (Q)")
@@ -108,10 +107,7 @@ def run_shared_prefix(args: argparse.Namespace) -> int:
     from paged_backend.engine.llm import LLM
     from paged_backend.engine_args import engine_config_from_args
 
-    overrides: dict[str, Any] = {}
-    if args.model_shapes:
-        overrides.update(model=write_shape_config(args.model_shapes), load_format="dummy")
-    cfg = engine_config_from_args(args, **overrides)
+    cfg = engine_config_from_args(args, **model_shapes_overrides(args))
     llm = LLM(**cfg.model_dump())
     engine = llm.engine
     work = shared_prefix_prompts(args.num_docs, args.doc_len, args.questions_per_doc, args.question_len,

@@ -25,7 +25,7 @@ import json
 import time
 from typing import Any
 
-from paged_backend.benchmarks.model_shapes import MODEL_SHAPES, write_shape_config
+from paged_backend.benchmarks.model_shapes import add_model_shapes_args, model_shapes_overrides
 
 SPEC_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
 
@@ -54,10 +54,7 @@ def add_spec_decode_parser(sub) -> None:
     p = sub.add_parser("spec-decode", help="decode tok/s with and without --speculative-config per batch size, "
                                            "with acceptance and a greedy-equality check")
     add_engine_args(p, model_positional=True)
-    p.add_argument("--model-shapes", choices=sorted(MODEL_SHAPES), default=None,
-                   help="random weights of these shapes (implies --load-format dummy)")
-    p.add_argument("--tokenizer-from", default=None, metavar="DIR",
-                   help="with --model-shapes: this tokenizer, padded to the shapes' vocabulary")
+    add_model_shapes_args(p)
     p.add_argument("--batch-sizes", default="1,4,16,64", help="requests generated together, comma-separated")
     p.add_argument("--input-len", type=int, default=256)
     p.add_argument("--output-len", type=int, default=256, help="tokens generated per request (EOS ignored)")
@@ -108,12 +105,9 @@ def _build(args: argparse.Namespace, speculative: bool):
     from paged_backend.engine.llm import LLM
     from paged_backend.engine_args import engine_config_from_args
 
-    overrides: dict[str, Any] = {}
-    if args.model_shapes:
-        overrides.update(model=write_shape_config(args.model_shapes, args.tokenizer_from), load_format="dummy")
     if not speculative:
         args = argparse.Namespace(**{**vars(args), "speculative_config": None})
-    cfg = engine_config_from_args(args, **overrides)
+    cfg = engine_config_from_args(args, **model_shapes_overrides(args))
     return LLM(**cfg.model_dump())
 
 

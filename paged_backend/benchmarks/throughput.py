@@ -19,7 +19,7 @@ import time
 from typing import Any
 
 from paged_backend.benchmarks.bench_plot import plot_args_error
-from paged_backend.benchmarks.model_shapes import MODEL_SHAPES, write_shape_config
+from paged_backend.benchmarks.model_shapes import add_model_shapes_args, model_shapes_overrides
 from paged_backend.benchmarks.throughput_hf import HFTarget, release_device_memory, run_hf
 from paged_backend.benchmarks.throughput_plot import (
     KVUsageTrace,
@@ -57,8 +57,7 @@ def add_throughput_parser(sub) -> None:
 
     p = sub.add_parser("throughput", help="offline throughput on random prompts")
     add_engine_args(p, model_positional=True)
-    p.add_argument("--model-shapes", choices=sorted(MODEL_SHAPES), default=None,
-                   help="random weights of these shapes (implies --load-format dummy)")
+    add_model_shapes_args(p)
     p.add_argument("--num-prompts", type=int, default=64)
     p.add_argument("--input-len", type=int, default=128)
     p.add_argument("--output-len", type=int, default=64)
@@ -68,9 +67,6 @@ def add_throughput_parser(sub) -> None:
     p.add_argument("--temperatures", default=None,
                    help="comma list, one timed run each (the vLLM comparison runs use 0,1,0); default: --temperature once")
     p.add_argument("--warmup-prompts", type=int, default=8)
-    p.add_argument("--tokenizer-from", default=None, metavar="DIR",
-                   help="with --model-shapes: an HF tokenizer dir copied in, padded to the shapes' vocabulary "
-                        "(structured outputs need one)")
     p.add_argument("--structured-outputs", default=None, metavar="JSON",
                    help='every timed request constrained, e.g. \'{"json": {"type": "object", ...}}\' '
                         "(SamplingParams.structured_outputs); a grammar that completes leaves the rest of the "
@@ -141,10 +137,7 @@ def run_throughput(args: argparse.Namespace) -> int:
     if error is not None:
         print(f"error: {error}", file=sys.stderr)
         return 2
-    overrides: dict[str, Any] = {}
-    if args.model_shapes:
-        overrides.update(model=write_shape_config(args.model_shapes, args.tokenizer_from), load_format="dummy")
-    cfg = engine_config_from_args(args, **overrides)
+    cfg = engine_config_from_args(args, **model_shapes_overrides(args))
     llm = LLM(**cfg.model_dump())
     engine = llm.engine
     vocab = engine.info.vocab_size

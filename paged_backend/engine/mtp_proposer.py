@@ -86,7 +86,7 @@ class MTPProposer:
     def _propose_step(self, sched: SchedulerOutput, hidden: torch.Tensor | None, requests: list[Request],
                       max_model_len: int) -> None:
         if hidden is not None:  # the step's own hidden states, where execute_mtp reads the last forward's
-            self.runner.model.model.prenorm = hidden
+            self.runner.restore_hidden_states(hidden)
         running = {r.request_id: r for r in self.scheduler.running}
         wanted = {r.request_id for r in requests}
         spans: list[ScheduledRequest] = []

@@ -24,7 +24,7 @@ from paged_backend.core.scheduler import Scheduler, SchedulerOutput
 from paged_backend.engine.draft_model import DraftModelProposer
 from paged_backend.engine.mtp_proposer import MTPProposer
 from paged_backend.engine.request_state import Row
-from paged_backend.engine.step_sampling import LaunchedStep, StepSampler
+from paged_backend.engine.step_sampling import LaunchedStep, StepSampler, one_row_each
 from paged_backend.outputs import LogprobsDict
 from paged_backend.sample.sampler import SamplerOutput
 from paged_backend.spec_decode.acceptance import accept_prefix
@@ -149,8 +149,7 @@ class SpecDecoder:
         """The logits to sample (grammar masks applied, one per row), each request's (first row, drafts), the
         output each row's sampler sees, and whether every row is plain greedy."""
         logits, index = self.step_sampler.constrain(rows, logits, index)  # rows without drafts
-        if index is not None:
-            logits = logits[torch.tensor(index, device=logits.device)]
+        logits = one_row_each(logits, index)
         drafts_of = {s.request_id: s.token_ids[-s.num_draft:] for s in sched.scheduled if s.num_draft}
         spans: list[tuple[int, list[int]]] = []  # (first row, drafts) per request
         histories: list[list[int]] = []  # the output each row's sampler sees

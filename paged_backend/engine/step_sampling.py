@@ -74,8 +74,7 @@ class StepSampler:
                 fast = False
                 break
         if not self.async_scheduling or launched.forking or not rows:
-            if index is not None:
-                logits = logits[torch.tensor(index, device=logits.device)]
+            logits = one_row_each(logits, index)
             launched.token_ids = self.sampler.greedy(logits) if fast else self._sample(rows, logits)
             return launched
         self.queue(launched, logits, fast)
@@ -116,14 +115,14 @@ class StepSampler:
                 self.num_masks_ahead += 1
                 if staged is None:
                     return logits, index
-                logits = _one_row_each(logits, index)
+                logits = one_row_each(logits, index)
                 apply_masks(logits, staged)
                 return logits, None
         constrained = [(i, s.grammar, s.request.output_token_ids) for i, (_, s) in enumerate(rows)
                        if s.grammar is not None and not s.request.is_finished] if RequestGrammar.live else ()
         if not constrained:
             return logits, index
-        logits = _one_row_each(logits, index)
+        logits = one_row_each(logits, index)
         apply_grammars(logits, constrained)
         return logits, None
 
@@ -198,7 +197,7 @@ class StepSampler:
         return record_logprobs(rows, self.sampler.to_output(self.full_sample(rows, logits)))
 
 
-def _one_row_each(logits: torch.Tensor, index: list[int] | None) -> torch.Tensor:
+def one_row_each(logits: torch.Tensor, index: list[int] | None) -> torch.Tensor:
     """The logits with one row per step row (``index``: the logits row of each, when forks repeat some): the
     masks are then applied in place on each row's own copy."""
     return logits if index is None else logits[torch.tensor(index, device=logits.device)]

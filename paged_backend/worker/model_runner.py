@@ -336,6 +336,11 @@ class ModelRunner:
         assert hidden is not None, "no forward has run with the MTP layers on"
         return hidden
 
+    def restore_hidden_states(self, hidden: torch.Tensor) -> None:
+        """Make ``hidden`` (an earlier ``last_hidden_states``) the last forward's again, for an MTP pass over that
+        step after another forward ran (async scheduling)."""
+        self.model.model.prenorm = hidden
+
     @torch.inference_mode()
     def execute_mtp(self, sched: SchedulerOutput, rows: list[int], spec_step: int = 0) -> torch.Tensor:
         """One pass of the MTP layers (models/mtp.py) over ``sched``'s tokens (t_{i+1} at position i), writing
