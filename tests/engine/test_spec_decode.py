@@ -300,8 +300,10 @@ def _all_accepted(llm) -> None:
     assert stats.num_drafts > 0 and stats.num_accepted_tokens == stats.num_draft_tokens
 
 
-def test_draft_model_itself_greedy_all_accepted_under_chunking_preemption_and_forks():
-    llm = make_llm(speculative_config=_draft_spec(), max_num_batched_tokens=24, num_gpu_blocks_override=11)
+@ASYNC
+def test_draft_model_itself_greedy_all_accepted_under_chunking_preemption_and_forks(async_):
+    llm = make_llm(speculative_config=_draft_spec(), max_num_batched_tokens=24, num_gpu_blocks_override=11,
+                   async_scheduling=async_)
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _tokens(outs) == _expected()
     assert llm.engine.stats.num_preemptions_total > 0
