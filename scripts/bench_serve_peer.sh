@@ -13,7 +13,8 @@
 # (VLLM_PYTHONPATH is put in front of PYTHONPATH for `vllm serve` only), and an HF tokenizer dir:
 #     bash scripts/bench_serve_peer.sh TOKENIZER_DIR
 # Environment: CONCURRENCY (1,16,64,256,512), CLIENTS (4), MAX_NUM_SEQS (512), OUT_DIR (./serve_peer),
-# ENGINE_CORE_PROCESS (true), SKIP_VLLM (unset), VLLM_PYTHONPATH.
+# ENGINE_CORE_PROCESS (true), WORKERS (1: BentoML worker processes, front ends of one shared engine core),
+# SKIP_VLLM (unset), VLLM_PYTHONPATH.
 set -euo pipefail
 TOK=$(realpath "${1:?usage: bench_serve_peer.sh TOKENIZER_DIR}")
 HERE=$(cd "$(dirname "$0")/.." && pwd)
@@ -36,6 +37,11 @@ wait_ready() {  # URL PID
 stop() {  # PID: the server's whole process group, then wait for the GPU to be free
   kill -TERM -- "-$1" 2>/dev/null || true; sleep 5; kill -KILL -- "-$1" 2>/dev/null || true
   for _ in $(seq 30); do [ -z "$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)" ] && return; sleep 2; done
+  # a server's own daemon (BentoML's circusd runs in a session of its own) can outlive its group: what
+  # still holds the GPU a minute later is left from this server (the script assumes the GPU is its own)
+  local left; left=$(nvidia-smi --query-compute-apps=pid --format=csv,noheader)
+  echo "still holding the GPU after the server stopped, killed: $left" >&2
+  kill -KILL $left 2>/dev/null || true; sleep 3
 }
 sweep() {  # PORT LABEL JSONL [extra bench serve args]
   local port=$1 label=$2 json=$3; shift 3
@@ -58,7 +64,7 @@ fi
 cd "$HERE/bentos/smollm2"
 setsid python3 -m bentoml serve . --port 3000 --arg model="$W1" --arg load_format=dummy --arg dtype=bfloat16 \
   --arg max_model_len=2048 --arg max_num_seqs="${MAX_NUM_SEQS:-512}" \
-  --arg engine_core_process="${ENGINE_CORE_PROCESS:-true}" > "$OUT_DIR/ours.log" 2>&1 &
+  --arg engine_core_process="${ENGINE_CORE_PROCESS:-true}" --arg workers="${WORKERS:-1}" > "$OUT_DIR/ours.log" 2>&1 &
 pid=$!
 cd "${TMPDIR:-/tmp}"
 plot=()

@@ -50,7 +50,7 @@ from typing import Any
 import torch
 
 from paged_backend.config import EngineConfig
-from paged_backend.engine.core_process import CoreOutputs, CoreStarted, run_engine_core
+from paged_backend.engine.core_process import CoreOutputs, CoreStarted, run_engine_core, unpack_output
 from paged_backend.engine.frontend import EngineFrontEnd
 from paged_backend.engine.input_processor import InputProcessor, load_tokenizer
 from paged_backend.engine.request_state import PreparedRequest
@@ -476,11 +476,12 @@ class EngineCoreClient(EngineFrontEnd):
             prompts.pop(rid, None)
             self._deliver_error(rid, exc)
         if msg.outputs:
-            for out in msg.outputs:
+            outputs = [unpack_output(o) for o in msg.outputs]
+            for out in outputs:
                 prompt = prompts.pop(out.request_id, None) if out.finished else prompts.get(out.request_id)
                 if prompt is not None:
                     out.prompt, out.prompt_token_ids = prompt
-            self._deliver(msg.outputs)
+            self._deliver(outputs)
         for ack, value in msg.acks:
             with self._lock:
                 done = self._acks.pop(ack, None)

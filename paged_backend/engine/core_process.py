@@ -18,8 +18,8 @@ front ends may use the same request id) and sends each client its own requests' 
                         | ("shutdown", ack)   (private: stop; shared: detach this client)
     core -> front end   CoreStarted once (or the start-up exception), then one CoreOutputs per loop
                         iteration that did anything: the client's requests' deltas of that engine step
-                        (without the prompt and its token ids, which the front end adds back),
-                        the stats snapshot, the step token counts, acknowledgements, refusals
+                        (without the prompt and its token ids, which the front end adds back; a
+                        plain delta as a tuple of builtins: ``pack_output``), the stats snapshot, the step token counts, acknowledgements, refusals
 
 An abort frees the request's blocks before its acknowledgement is sent. A client whose connection
 closes (its process is gone) or that detaches has every request it still had aborted at once, blocks
@@ -30,6 +30,7 @@ a server stopping a worker's process tree), which drains its requests first.
 
 from __future__ import annotations
 
+import faulthandler
 import fcntl
 import itertools
 import logging
@@ -48,7 +49,7 @@ from typing import Any
 from paged_backend.config import EngineConfig
 from paged_backend.engine.gc_heap import frozen_heap
 from paged_backend.engine.llm_engine import LLMEngine, PreparedRequest
-from paged_backend.outputs import RequestOutput
+from paged_backend.outputs import CompletionOutput, RequestOutput, Usage
 from paged_backend.sample.grammar import SerializedGrammar
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,11 @@ EXIT_RETRY_S = 0.05  # shared core without clients: how often it retries the run
 # a shared core's front end whose messages wait this long in a send (it stopped reading) is dropped
 STALL_ENV = "PAGED_BACKEND_FRONT_END_STALL_S"
 DEFAULT_STALL_S = 60.0
+# a loop iteration with requests to serve that lasts this long (a step that never returns, a send that never
+# ends; a quarter of it, up to a second, less is enough) has every thread's stack written to the core's
+# stderr, once per stall; 0: never
+STALL_DUMP_ENV = "PAGED_BACKEND_CORE_STALL_DUMP_S"
+DEFAULT_STALL_DUMP_S = 120.0
 
 
 @dataclass
@@ -74,12 +80,43 @@ class CoreStarted:
 class CoreOutputs:
     """One loop iteration of the core for one client: ``outputs`` of its requests for the step (at most one)."""
 
-    outputs: list[RequestOutput] = field(default_factory=list)
+    outputs: list[WireOutput] = field(default_factory=list)  # in step order (pack_output)
     stats: dict = field(default_factory=dict)
     step_tokens: list[int] = field(default_factory=list)
     acks: list[tuple[int, Any]] = field(default_factory=list)  # (ack id, value) of aborts and state queries
     errors: list[tuple[str, BaseException]] = field(default_factory=list)  # (request id, why it was refused)
     dead: str | None = None  # the loop died: why
+
+
+# A step's plain delta (one sequence, no logprobs, not finished) crosses the pipe as a tuple of builtins:
+# (request id, index, text, token ids, num output tokens, prompt tokens, completion tokens, cached tokens,
+# step times). At 256 streams a step's 256 dataclass deltas take milliseconds to pickle and as long again to
+# unpickle; the tuples take a twentieth of that. Any other output crosses as it is.
+WireOutput = RequestOutput | tuple
+
+
+def pack_output(out: RequestOutput) -> WireOutput:
+    """``out`` as it crosses the pipe: a plain delta as a tuple (``unpack_output`` rebuilds it), else itself.
+    The prompt and its token ids are left out (the front end adds them back)."""
+    if (out.finished or len(out.outputs) != 1 or out.prompt_logprobs is not None or out.metrics is not None
+            or out.prompt_logprob_ranks is not None):
+        return out
+    c = out.outputs[0]
+    if c.logprobs is not None or c.finish_reason is not None or c.stop_reason is not None \
+            or c.cumulative_logprob is not None:
+        return out
+    u = out.usage
+    return (out.request_id, c.index, c.text, c.token_ids, c.num_output_tokens, u.prompt_tokens,
+            u.completion_tokens, u.cached_tokens, out.step_times)
+
+
+def unpack_output(item: WireOutput) -> RequestOutput:
+    """A ``pack_output`` result as the ``RequestOutput`` it was (prompt None, prompt token ids [])."""
+    if not isinstance(item, tuple):
+        return item
+    rid, index, text, token_ids, num_output_tokens, prompt_tokens, completion_tokens, cached_tokens, times = item
+    return RequestOutput(rid, None, [], [CompletionOutput(index, text, token_ids, num_output_tokens=num_output_tokens)],
+                         False, Usage(prompt_tokens, completion_tokens, cached_tokens), step_times=times)
 
 
 def merge_outputs(into: CoreOutputs, later: CoreOutputs) -> None:
@@ -291,6 +328,8 @@ class EngineCore:
         self._changed = False  # a front end attached or left, a request was aborted: every client gets the stats
         self.stopped = False
         self.stall_s = float(os.environ.get(STALL_ENV, DEFAULT_STALL_S))
+        self.stall_dump_s = float(os.environ.get(STALL_DUMP_ENV, DEFAULT_STALL_DUMP_S))
+        self._armed_at: float | None = None  # when the stall dump was last armed (None: disarmed)
 
     def adopt(self, conn: Connection) -> None:
         """A new front end: tell it who it is and what the engine is; from now on its commands are read."""
@@ -315,6 +354,7 @@ class EngineCore:
                 if not self.clients and not self._wait_for_clients():
                     break
                 busy = engine.has_unfinished_requests()
+                self._watch(busy)
                 waitables: list[Any] = list(self._by_conn)
                 if self.acceptor is not None:
                     waitables.append(self.acceptor.wake_r)
@@ -327,6 +367,8 @@ class EngineCore:
                 if self.stopped:
                     break
                 if engine.has_unfinished_requests():
+                    if not busy:  # requests that just came: this iteration is watched too
+                        self._watch(True)
                     self._route(engine.step())
                     self._send(everyone=True)
                 else:
@@ -334,6 +376,7 @@ class EngineCore:
                 if self.acceptor is not None:
                     self._drop_stalled()
         except BaseException as exc:  # report, then exit: the front ends fail every request
+            self._watch(False)
             logger.exception("engine core loop died")
             for client in list(self.clients.values()):
                 try:
@@ -342,6 +385,21 @@ class EngineCore:
                     pass
                 if client.writer is not None:
                     client.writer.close(flush_s=1.0)
+        self._watch(False)
+
+    def _watch(self, busy: bool) -> None:
+        """Keep the stall dump armed while there are requests to serve (re-armed at most every quarter of its
+        limit, up to a second: re-arming costs a thread start), disarmed while the loop only waits for commands."""
+        if self.stall_dump_s <= 0:
+            return
+        if busy:
+            now = time.monotonic()
+            if self._armed_at is None or now - self._armed_at >= min(1.0, self.stall_dump_s / 4):
+                faulthandler.dump_traceback_later(self.stall_dump_s, repeat=False, file=sys.stderr)
+                self._armed_at = now
+        elif self._armed_at is not None:
+            faulthandler.cancel_dump_traceback_later()
+            self._armed_at = None
 
     def _wait_for_clients(self) -> bool:
         """No client: a private core is done; a shared one exits under the run directory's lock, unless a
@@ -415,7 +473,7 @@ class EngineCore:
             out.request_id = rid
             # the front end has them (it prepared the request): not pickled every step
             out.prompt, out.prompt_token_ids = None, []
-            client.pending.outputs.append(out)
+            client.pending.outputs.append(pack_output(out))
 
     def _stats(self, joining: int | None = None) -> dict:
         """The engine's stats, the number of front ends (with ``joining``, one being adopted), and which one
