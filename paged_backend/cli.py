@@ -1,5 +1,5 @@
 """``paged-backend`` command line: ``generate`` and ``bench {throughput,serve,kernels,quant,peer,moe,shared-prefix,
-spec-decode}``.
+spec-decode,kv-swap}``.
 
 Engine flags use vLLM's names (``--max-num-seqs``, ``--kv-cache-dtype fp8`` ...); each
 maps one to one onto an :class:`EngineConfig` field.
@@ -14,7 +14,7 @@ import sys
 from paged_backend.engine_args import add_engine_args, engine_config_from_args
 
 DESCRIPTION = ("paged-backend: a paged-KV LLM inference engine. Subcommands: generate (offline answers for "
-               "prompts) and bench (throughput, serve, kernels, quant, peer, moe, shared-prefix, spec-decode). "
+               "prompts) and bench (throughput, serve, kernels, quant, peer, moe, shared-prefix, spec-decode, kv-swap). "
                "The OpenAI API is served by "
                "bentoml serve in bentos/smollm2, or through Triton Inference Server (see README.md).")
 
@@ -62,6 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks")
     bsub = b.add_subparsers(dest="bench", required=True)
+    from paged_backend.benchmarks.kv_swap import add_kv_swap_parser
     from paged_backend.benchmarks.moe import add_moe_parser
     from paged_backend.benchmarks.peer import add_peer_parser
     from paged_backend.benchmarks.quant import add_quant_parser
@@ -77,6 +78,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_moe_parser(bsub)
     add_shared_prefix_parser(bsub)
     add_spec_decode_parser(bsub)
+    add_kv_swap_parser(bsub)
     # its own parser takes every argument after it (--help too)
     k = bsub.add_parser("kernels", help="check, then time the Triton kernels (CUDA)", add_help=False)
     k.set_defaults(func=_cmd_bench_kernels, passthrough=True)

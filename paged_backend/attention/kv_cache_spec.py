@@ -74,23 +74,12 @@ class KVCacheSpec:
         else:
             cache[:, dst] = cache[:, src]
 
-    def swap_blocks(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """Block ``s`` of ``src_cache`` copied onto block ``d`` of ``dst_cache`` for each (s, d): one
-        tier to the other (device <-> host), same layout. Between devices each run of consecutive
-        blocks (s, d), (s + 1, d + 1) ... is one non-blocking copy per contiguous part (K and V apart
-        for a per-head cache), so that with pinned host memory every copy is asynchronous on the
-        current stream (a non-contiguous one would go through a pageable temporary and wait); within
-        one device, a gather and a scatter."""
-        dim = self.block_dim
-        if src_cache.device == dst_cache.device:
-            src = torch.tensor([p[0] for p in pairs], device=src_cache.device)
-            dst = torch.tensor([p[1] for p in pairs], device=dst_cache.device)
-            dst_cache.index_copy_(dim, dst, src_cache.index_select(dim, src))
-            return
-        self.copy_block_runs(src_cache, dst_cache, pairs)
-
     def copy_block_runs(self, src_cache: torch.Tensor, dst_cache: torch.Tensor, pairs: list[tuple[int, int]]) -> None:
-        """``swap_blocks`` between devices: each run of consecutive pairs as one contiguous copy per part."""
+        """Block ``s`` of ``src_cache`` copied onto block ``d`` of ``dst_cache`` for each (s, d), same layout,
+        each run of consecutive pairs (s, d), (s + 1, d + 1) ... as one non-blocking copy per contiguous
+        part (K and V apart for a per-head cache). The host tier's copies before ``HostKVTier``
+        (worker/host_kv_tier.py), kept as the reference ``bench kv-swap`` times it against: with
+        scattered block ids a copy per block, per layer and per part."""
         parts = [(src_cache, dst_cache)] if self.is_latent else [(src_cache[0], dst_cache[0]),
                                                                  (src_cache[1], dst_cache[1])]
         for s, d, n in block_runs(pairs):

@@ -1,8 +1,8 @@
 """The host KV tier: swap preemption and the prefix cache's second tier (no torch).
 
 A ``SwapSpace`` owns a ``BlockPool`` of host blocks (``--swap-space`` GiB of host memory,
-pinned on CUDA, in the device cache's per-layer layout) and the host block list of each
-swapped-out request. Host block 0 is a null block too (never handed out), so the pool's
+pinned on CUDA, a host block holding every layer's bytes of one block: worker/host_kv_tier.py)
+and the host block list of each swapped-out request. Host block 0 is a null block too (never handed out), so the pool's
 accounting is the device pool's: ``num_blocks - 1`` usable blocks, free == usable when
 nothing is swapped.
 

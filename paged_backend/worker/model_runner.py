@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import time
-from contextlib import nullcontext as _nullcontext
 from typing import TYPE_CHECKING
 
 import torch
@@ -30,6 +29,7 @@ from paged_backend.models.model_info import ModelInfo
 from paged_backend.models.ops import get_kernel_ops
 from paged_backend.models.parallel import local_heads
 from paged_backend.worker.cuda_graphs import DecodeGraphs
+from paged_backend.worker.host_kv_tier import HostKVTier
 from paged_backend.worker.model_loader import load_model
 from paged_backend.worker.runner import ModelOutput
 from paged_backend.worker.step_inputs import StepInputBuilder, StepInputs
@@ -78,10 +78,9 @@ class ModelRunner:
         self._mtp_hidden: torch.Tensor | None = None  # the last MTP pass's sampled hidden states (execute_mtp)
         self.kv_caches: list[torch.Tensor] = []
         self.num_blocks = 0
-        # the host tier (swap_space GiB, same layout; pinned on CUDA) and its side stream
-        self.host_caches: list[torch.Tensor] = []
+        # the host tier (swap_space GiB; pinned on CUDA), its staging buffer and side stream (host_kv_tier.py)
+        self.host_tier: HostKVTier | None = None
         self.num_host_blocks = 0
-        self._swap_stream: torch.cuda.Stream | None = None
         self.kv_budget_bytes: int | None = None  # the KV budget determine_num_blocks divided (None: CPU default)
         self.limits = resolve_limits(config, info.max_position_embeddings, device)
         max_blocks = -(-self.limits.max_model_len // self.block_size) + 1
@@ -227,36 +226,30 @@ class ModelRunner:
         logger.info("attention kernels warmed up for %d step shapes in %.1f s", n, time.perf_counter() - t0)
 
     def allocate_host_cache(self) -> None:
-        """The host tier: ``swap_space`` GiB of blocks (incl. a null block 0, as the device cache), none at 0."""
+        """The host tier: ``swap_space`` GiB of blocks (incl. a null block 0, as the device cache), none at 0;
+        each host block holds every layer's bytes of one block (``HostKVTier``)."""
         n = int(self.config.swap_space * (1 << 30)) // self.bytes_per_block
         if n < 2:
             return
-        cuda = self.device.type == "cuda"
-        self.host_caches = [spec.allocate(n, "cpu", pin_memory=cuda) for spec in self.kv_specs]
+        self.host_tier = HostKVTier(self.kv_specs, n, self.device, pin_memory=self.device.type == "cuda")
         self.num_host_blocks = n
-        if cuda:
-            self._swap_stream = torch.cuda.Stream(self.device)
+
+    @property
+    def host_caches(self) -> list[torch.Tensor]:
+        """Each layer's host blocks in its spec's shape (views of the tier's memory); [] without a tier."""
+        return self.host_tier.caches if self.host_tier is not None else []
 
     def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Device -> host (device, host) pairs, then host -> device (host, device) pairs, every layer.
-        On CUDA they run on their own stream, after the work queued so far (the blocks swapped out
-        hold KV of earlier steps) and before anything queued after (the forward reuses freed blocks
-        and reads the swapped-in ones)."""
+        On CUDA they run on the tier's stream, after the work queued so far (the blocks swapped out
+        hold KV of earlier steps); what is queued after waits for the swap out's gathers (the forward
+        reuses freed blocks) and the swap in (it reads the swapped-in blocks), not for the swap out's
+        copies to the host (``HostKVTier.swap``)."""
         if not swap_out and not swap_in:
             return
-        if not self.host_caches:
+        if self.host_tier is None:
             raise RuntimeError("blocks to swap but no host KV tier (swap_space is 0)")
-        stream = self._swap_stream
-        if stream is not None:
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
-            for spec, dev, host in zip(self.kv_specs, self.kv_caches, self.host_caches, strict=True):
-                if swap_out:
-                    spec.swap_blocks(dev, host, swap_out)
-                if swap_in:
-                    spec.swap_blocks(host, dev, swap_in)
-        if stream is not None:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
+        self.host_tier.swap(self.kv_caches, swap_out, swap_in)
 
     def copy_blocks(self, pairs: list[tuple[int, int]]) -> None:
         if not pairs:
