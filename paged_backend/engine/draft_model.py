@@ -4,7 +4,8 @@ Its KV cache has the target's block ids (same block tables, its own tensors): it
 the target sizes its cache (``load_draft_runner``), so the budget is divided by the target's plus
 the draft's bytes per block id, and it allocates the target's block count. It runs every step the target runs (``observe``),
 so its cache holds every computed position, prefix hits and recomputes included; after a step,
-``propose`` allocates the lookahead slots of each decoding request and runs k one-token passes.
+``propose`` allocates the lookahead slots of each decoding request and runs k one-token passes, each
+reading the previous pass's argmax on the device (the host reads the drafts once, after the last pass).
 Its proposals are its argmax: a deterministic proposal is a one-hot draft distribution, so the
 engine's acceptance (``spec_decode/acceptance.py``) keeps the target's distribution.
 """
@@ -19,7 +20,6 @@ from paged_backend.core.request import Request
 from paged_backend.core.scheduler import ScheduledRequest, SchedulerOutput
 from paged_backend.models.default_model import resolve_model_path
 from paged_backend.models.model_info import ModelInfo
-from paged_backend.sample.sampler import Sampler
 from paged_backend.worker.model_runner import ModelRunner
 
 
@@ -76,14 +76,16 @@ class DraftModelProposer:
         spec = config.speculative_config
         assert spec is not None
         self.runner = runner
+        self.k = spec.num_speculative_tokens
+        # its CUDA graphs: the target's verification steps (1 + k tokens a request, observed) beside decode steps
+        runner.graph_query_lens_extra = (1 + self.k,)
         self.runner.allocate_kv_cache(target.num_blocks)
         self.target = target
         self.kv = kv
-        self.k = spec.num_speculative_tokens
 
     def observe(self, sched: SchedulerOutput) -> None:
-        """The target's step through the draft model: its KV for the same slots (logits unused)."""
-        self.runner.execute(sched)
+        """The target's step through the draft model: its KV for the same slots (no logits)."""
+        self.runner.execute_kv_only(sched)
 
     def propose(self, requests: list[Request], max_model_len: int) -> None:
         """Drafts for these decoding requests (all tokens computed but the last), k passes batched."""
@@ -95,11 +97,24 @@ class DraftModelProposer:
             if k > 0 and allocate_lookahead(kv, req, k):  # the passes write positions p .. p + k - 1
                 entries.append((req, k))
         apply_lookahead_copies(kv, self.target, self.runner)
+        # pass j's input is pass j - 1's argmax, copied on the device (a placeholder token, as async scheduling's):
+        # the host waits once, for all the passes' drafts
+        passes: list[tuple[list[Request], torch.Tensor]] = []
+        prev: tuple[list[str], torch.Tensor] | None = None
         for j in range(max((k for _, k in entries), default=0)):
             live = [req for req, k in entries if k > j]
             sched = SchedulerOutput([ScheduledRequest.lookahead(
-                req.request_id, len(req.all_token_ids) - 1 + j,
-                req.spec_token_ids[-1] if j else req.all_token_ids[-1], kv.req_block_ids[req.request_id])
-                for req in live])
-            for req, tok in zip(live, Sampler.greedy(self.runner.execute(sched).logits), strict=True):
-                req.spec_token_ids.append(tok)
+                req.request_id, len(req.all_token_ids) - 1 + j, -1 if j else req.all_token_ids[-1],
+                kv.req_block_ids[req.request_id]) for req in live])
+            out = self.runner.execute(sched, prev)
+            drafts = out.logits.argmax(dim=-1)
+            passes.append((live, drafts))
+            prev = (out.sample_request_ids, drafts)
+        if not passes:
+            return
+        tokens = torch.cat([d for _, d in passes]).tolist()
+        i = 0
+        for live, _ in passes:
+            for req in live:
+                req.spec_token_ids.append(tokens[i])
+                i += 1

@@ -356,7 +356,7 @@ def _log_engine(engine: LLMEngine) -> None:
         "prefix caching=%s, tensor_parallel_size=%d, pipeline_parallel_size=%d", cfg.name, engine.info.architecture,
         str(engine.dtype).replace("torch.", ""), engine.device, engine.max_model_len, engine.max_num_seqs,
         engine.max_num_batched_tokens, backend,
-        f"on (decode batches up to {max(graphs.graphs)})" if graphs is not None and graphs.graphs else "off",
+        f"on ({graphs.describe()})" if graphs is not None and graphs.graphs else "off",
         "on" if engine.async_scheduling else "off", "on" if cfg.enable_prefix_caching else "off",
         cfg.tensor_parallel_size, cfg.pipeline_parallel_size,
     )

@@ -8,7 +8,8 @@ Per step it builds (step_inputs.py; attention/backend.py has the index math)::
     block_tables           [S, maxblk]  int32 (entries past a request's blocks are never read)
     seq_lens, query_start_loc           int32
 
-On CUDA, decode-only steps of up to ``max_cudagraph_capture_size`` requests replay a
+On CUDA, decode steps and speculative decoding's verification steps (1 + k tokens a request, fewer
+for some requests spread over those rows) of up to ``max_cudagraph_capture_size`` requests replay a
 captured CUDA graph (cuda_graphs.py) instead of launching the model's kernels one by one.
 """
 
@@ -91,6 +92,8 @@ class ModelRunner:
         self._calibration_done = False
         self._profiled = False  # a profiling prefill ran (it also compiled the prefill-only kernels)
         self.step_counts = {"graph": 0, "eager": 0}  # forward passes by path (bench prints them)
+        self.graph_query_lens_extra: tuple[int, ...] = ()  # more uniform step shapes to capture (a draft model's)
+        self._keeps_prenorm = mtp  # the MTP layers read the last forward's hidden states before the final norm
 
     def _setup_kv_scales(self) -> None:
         """FP8 KV: scales from the checkpoint, else from the first batch if asked, else 1.0."""
@@ -283,25 +286,65 @@ class ModelRunner:
         ``prev`` (async scheduling): the step still in flight's sampled request ids and their
         sampled token ids (device), for the tokens scheduled before they were known.
         """
+        return self._outputs(*self._run(sched, prev))
+
+    @torch.inference_mode()
+    def execute_kv_only(self, sched: SchedulerOutput) -> None:
+        """The step's forward pass for its KV writes alone (no logits: a draft model observing the target's
+        step)."""
+        self._run(sched, None)
+
+    def _run(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor] | None
+             ) -> tuple[StepInputs, torch.Tensor]:
+        """The step's inputs and hidden states (one row per real token): a graph replay where one was captured
+        for the step's shape (``_graph_shape``), else the eager forward."""
         self.swap_blocks(sched.blocks_to_swap_out, sched.blocks_to_swap_in)
         self.copy_blocks(sched.blocks_to_copy)
         builder = self._builder_for(sched)
-        n_seqs = len(sched.scheduled)
-        bucket = None
-        if self.graphs is not None and builder is self.inputs and self._graphs_usable():
-            if all(s.num_new_tokens == 1 for s in sched.scheduled):
-                bucket = self.graphs.bucket(n_seqs)
+        scheduled = sched.scheduled
+        bucket = q = None
+        if self.graphs is not None and builder is self.inputs and scheduled and self._graphs_usable():
+            q, bucket = self._graph_shape(scheduled)
         window = getattr(self.model, "sliding_window", None)
         if bucket is not None:
             step = builder.build(sched, pad_to=bucket, max_seq_len_bound=self.limits.max_model_len,
-                                 sliding_window=window, prev=prev)
-            hidden = self.graphs.replay(bucket)
+                                 sliding_window=window, prev=prev, pad_query_len=q)
+            hidden = self.graphs.replay(bucket, q)
+            rows = step.row_index
+            if rows is not None:  # a spread step: the real tokens' rows, in step order
+                hidden = hidden.index_select(0, rows)
+            if self._keeps_prenorm:  # the MTP passes read it after the next replay has overwritten the graph's
+                pre = self.graphs.prenorm[q, bucket]
+                self.model.model.prenorm = pre.index_select(0, rows) if rows is not None else pre[: step.num_tokens].clone()
             self.step_counts["graph"] += 1
         else:
             self.step_counts["eager"] += 1
             step = builder.build(sched, sliding_window=window, prev=prev)
             hidden = self._forward(step)
-        return self._outputs(step, hidden)
+        return step, hidden
+
+    def _graph_shape(self, scheduled: list) -> tuple[int | None, int | None]:
+        """(q, batch bucket) of the graph a step replays, or (None, None): eager. Every request q new tokens (q a
+        captured length), or fewer where the step is still mostly real tokens: a verification in which some
+        requests have fewer drafts (or none) spreads each request over q rows (``StepInputBuilder.build``'s
+        ``pad_query_len``), at most twice the real tokens (or 128 rows in all), and q - 1 at most a block (the
+        filler rows' positions stay within the block table's spare column)."""
+        graphs = self.graphs
+        assert graphs is not None
+        most = total = 0
+        for s in scheduled:
+            n = s.num_new_tokens
+            total += n
+            if n > most:
+                most = n
+        q = graphs.query_len_for(most)
+        if q is None:
+            return None, None
+        if most * len(scheduled) != total or most != q:  # not every request has q new tokens
+            if q - 1 > self.block_size or len(scheduled) * q > max(2 * total, 128):
+                return None, None
+        bucket = graphs.bucket(len(scheduled), q)
+        return (q, bucket) if bucket is not None else (None, None)
 
     def _forward(self, step: StepInputs) -> torch.Tensor:
         """The eager forward pass (a pipeline stage's overrides it: activations in and out)."""
@@ -363,7 +406,6 @@ class ModelRunner:
         cfg = self.config
         return (self.device.type == "cuda" and not cfg.enforce_eager and self.attn_backend.name == "triton"
                 and (self.tp is None or self.tp.world_size == 1)
-                and getattr(self.model, "mtp", None) is None  # MTP reads each forward's hidden states (eager)
                 and (self.info.mla is None  # latent attention: only the kernel (its torch fallback loops on the host)
                      or mla_supported(self.info.mla.kv_lora_rank, self.info.mla.qk_rope_head_dim)))
 
@@ -374,11 +416,21 @@ class ModelRunner:
         self._calibration_done = not any(getattr(m, "calibrate_kv_scales", False) for m in self.model.modules())
         return self._calibration_done
 
+    def graph_query_lens(self) -> tuple[int, ...]:
+        """The new tokens per request of the uniform steps graphs are captured for: 1 (decode), and with
+        speculative decoding 1 + k (a verification of k drafts; a draft model's runner observes those steps
+        too, ``graph_query_lens_extra``)."""
+        lens = {1, *self.graph_query_lens_extra}
+        spec = self.config.speculative_config
+        if spec is not None:
+            lens.add(1 + spec.num_speculative_tokens)
+        return tuple(sorted(lens))
+
     def capture_cuda_graphs(self) -> None:
         lim = self.limits
         max_size = min(self.config.max_cudagraph_capture_size, lim.max_num_seqs, lim.max_num_batched_tokens)
-        self.graphs = DecodeGraphs(lambda ids, pos, meta: self.model(ids, pos, self.kv_caches, meta),
-                                   self.inputs, max_size, lim.max_model_len)
+        self.graphs = DecodeGraphs(self._graph_forward, self.inputs, max_size, lim.max_model_len,
+                                   self.graph_query_lens())
         pending = [m for m in self.model.modules() if getattr(m, "calibrate_kv_scales", False)]
         for m in pending:  # a dummy batch must not set the fp8 scales
             m.calibrate_kv_scales = False
@@ -387,6 +439,16 @@ class ModelRunner:
         finally:
             for m in pending:
                 m.calibrate_kv_scales = True
+
+    def _graph_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata
+                       ) -> torch.Tensor:
+        """The captured forward; with MTP layers it also leaves the hidden states before the final norm (what
+        ``last_hidden_states`` reads) where the graph keeps them (``graphs.prenorm``, by shape)."""
+        hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self._keeps_prenorm and self.graphs is not None:
+            n = hidden.shape[0]
+            self.graphs.prenorm[n // meta.num_seqs, meta.num_seqs] = self.model.model.prenorm
+        return hidden
 
 
 CPU_KV_BUDGET_CAP = 4 << 30

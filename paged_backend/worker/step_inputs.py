@@ -4,8 +4,9 @@ Host arrays live in (pinned, on CUDA) tensors allocated once; each step fills th
 short Python loop over the scheduled requests plus vectorized numpy, then copies the used
 prefix to device buffers that are also allocated once (non-blocking on CUDA). The device
 buffers never move, so a CUDA graph captured over slices of them replays with the next
-step's inputs (see ``cuda_graphs.py``). Rows past the step's requests are padding: one
-token at position 0 in no slot (``slot_mapping`` -1), length 1, reading the null block 0.
+step's inputs (see ``cuda_graphs.py``). Rows past the step's requests are padding: as many
+tokens as each real row has (1 in a decode step), at positions 0.. in no slot (``slot_mapping``
+-1), reading the null block 0.
 
 Async scheduling: a token sampled by the step still in flight is -1 in the scheduled token
 ids; ``build`` copies it on the device from that step's sampled ids (``prev``), so the
@@ -43,6 +44,10 @@ class StepInputs:
     sample_request_ids: list[str]  # one per sampled row: a request with k drafts has k + 1 in a row
     sample_rows: list[int]  # hidden-state rows whose logits are sampled
     prompt_spans: list[tuple[str, int, int, int]]  # (request id, first row, count, start position)
+    # a padded step whose requests have fewer new tokens than its rows (``build``'s ``pad_query_len``): the row
+    # of each real token (device int64 [num_tokens]); the rows above (sample_rows, prompt_spans) count real
+    # tokens only, so the forward's output is gathered by it first. None: the real tokens are rows 0..T-1.
+    row_index: torch.Tensor | None = None
 
 
 @dataclass
@@ -86,14 +91,17 @@ class StepInputBuilder:
         self._row_blocks: list[list[int] | None] = [None] * max_seqs
         self._h_ph_rows = host((max_tokens,), torch.int64)  # placeholder rows and their source rows
         self._h_ph_src = host((max_tokens,), torch.int64)
+        self._h_row_index = host((max_tokens,), torch.int64)  # a spread step's row of each real token
         self._uploaded: torch.cuda.Event | None = None
         if pin:
+            self._row_index = torch.zeros_like(self._h_row_index, device=device)
             self._ph_rows = torch.zeros_like(self._h_ph_rows, device=device)
             self._ph_src = torch.zeros_like(self._h_ph_src, device=device)
             self.ids, self.pos, self.slots, self.seq_lens, self.qsl, self.table = (
                 torch.zeros_like(t, device=device) for t in
                 (self._h_ids, self._h_pos, self._h_slots, self._h_seq_lens, self._h_qsl, self._h_table))
         else:  # the CPU reads the host arrays themselves
+            self._row_index = self._h_row_index
             self._ph_rows, self._ph_src = self._h_ph_rows, self._h_ph_src
             self.ids, self.pos, self.slots = self._h_ids, self._h_pos, self._h_slots
             self.seq_lens, self.qsl, self.table = self._h_seq_lens, self._h_qsl, self._h_table
@@ -103,8 +111,12 @@ class StepInputBuilder:
 
     def build(self, sched: SchedulerOutput, pad_to: int | None = None, max_seq_len_bound: int | None = None,
               sliding_window: int | None = None,
-              prev: tuple[list[str], torch.Tensor] | None = None) -> StepInputs:
-        """Fills the buffers; ``pad_to`` rounds a decode-only batch up to a captured graph's size.
+              prev: tuple[list[str], torch.Tensor] | None = None, pad_query_len: int | None = None) -> StepInputs:
+        """Fills the buffers; ``pad_to`` rounds a uniform batch (every request has the same number ``q`` of new
+        tokens: 1 in a decode step, 1 + k in a verification of k drafts) up to a captured graph's size, with
+        padding rows of ``q`` tokens. ``pad_query_len`` names ``q`` (needed where no request has that many: a
+        batch of padding rows only, or a step whose requests have at most ``q`` new tokens but not all ``q``,
+        each then spread over ``q`` rows, ``_spread_rows``, and ``StepInputs.row_index`` set).
 
         ``prev``: the step in flight's sampled request ids and sampled token ids (device int64,
         same order), for the placeholder (-1) tokens of this step.
@@ -117,13 +129,23 @@ class StepInputBuilder:
         seq_lens_cpu = self._fill_positions(rows, decode_only)
         ph_rows = self._stage_placeholders(sched.scheduled, rows, decode_only, prev)
 
-        n_seqs = n_tok = s_count if decode_only else None
-        if pad_to is not None and decode_only and pad_to > s_count:
-            n_seqs = n_tok = pad_to
-            self._pad(s_count, pad_to)
-        if n_seqs is None:
-            n_seqs, n_tok = s_count, num_tokens
-        self._upload(n_tok, n_seqs, rows.max_blocks)
+        n_seqs, n_tok, max_blocks = s_count, num_tokens, rows.max_blocks
+        max_query_len = max(qlens, default=1)
+        row_index = None
+        if pad_to is not None:
+            q = pad_query_len if pad_query_len is not None else (qlens[0] if qlens else 1)
+            ragged = qlens.count(q) != s_count
+            if pad_to < s_count or max_query_len > q or (ragged and pad_query_len is None):
+                raise ValueError(f"padding to {pad_to} rows of {q} tokens needs at most that many requests of at most "
+                                 f"that many new tokens, the same for all unless pad_query_len is given (got {qlens})")
+            max_query_len = q
+            if ragged:
+                ph_rows, row_index = self._spread_rows(rows, q, ph_rows)
+            n_seqs, n_tok = pad_to, pad_to * q
+            max_blocks = max(max_blocks, -(-q // self.block_size))
+            if pad_to > s_count:
+                self._pad(s_count, pad_to, q)
+        self._upload(n_tok, n_seqs, max_blocks)
         n_ph = len(ph_rows)
         if n_ph:
             assert prev is not None
@@ -132,6 +154,8 @@ class StepInputBuilder:
                 src.copy_(self._h_ph_src[:n_ph], non_blocking=True)
                 self._ph_rows[:n_ph].copy_(self._h_ph_rows[:n_ph], non_blocking=True)
             self.ids.index_copy_(0, self._ph_rows[:n_ph], prev[1].index_select(0, src))
+        if row_index is not None and self._row_index is not self._h_row_index:
+            row_index.copy_(self._h_row_index[:num_tokens], non_blocking=True)
         if self.device.type == "cuda":
             if self._uploaded is None:
                 self._uploaded = torch.cuda.Event()
@@ -142,7 +166,7 @@ class StepInputBuilder:
             block_tables=dev_table,
             seq_lens=self.seq_lens[:n_seqs],
             query_start_loc=self.qsl[: n_seqs + 1],
-            max_query_len=max(qlens, default=1),
+            max_query_len=max_query_len,
             max_seq_len=max(seq_lens_cpu, default=1) if max_seq_len_bound is None else max_seq_len_bound,
             block_size=self.block_size,
             seq_lens_cpu=seq_lens_cpu,
@@ -150,7 +174,7 @@ class StepInputBuilder:
             sliding_window=sliding_window,
         )
         return StepInputs(self.ids[:n_tok], self.pos[:n_tok], meta, num_tokens, s_count, decode_only,
-                          rows.sample_ids, rows.sample_rows, rows.prompt_spans)
+                          rows.sample_ids, rows.sample_rows, rows.prompt_spans, row_index)
 
     def _fill_rows(self, scheduled: list[ScheduledRequest]) -> _Rows:
         """Token ids and block-table rows; the per-request lists the other steps vectorize."""
@@ -241,15 +265,45 @@ class StepInputBuilder:
             ids[ph_rows] = 0  # until the device copy in build (the CPU reads these very arrays)
         return ph_rows
 
-    def _pad(self, s_count: int, pad_to: int) -> None:
-        """Rows s_count..pad_to-1: one token at position 0 in no slot, reading the null block."""
-        self.ids_np[s_count:pad_to] = 0
-        self.pos_np[s_count:pad_to] = 0
-        self.slots_np[s_count:pad_to] = -1
-        self.seq_lens_np[s_count:pad_to] = 1
-        self.qsl_np[s_count + 1 : pad_to + 1] = np.arange(s_count + 1, pad_to + 1)
-        self.table_np[s_count:pad_to, 0] = 0
-        self._row_blocks[s_count:pad_to] = [None] * (pad_to - s_count)
+    def _spread_rows(self, rows: _Rows, q: int, ph_rows: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+        """Request i's tokens moved to rows i*q.., each followed by q - q_i filler rows (token 0 at its last
+        position, in no slot): every request then has q rows, as the graph captured for q tokens a request
+        reads them. Its real tokens keep their positions (``seq_lens`` = start + q: the kernel places the q
+        rows at start..start+q-1 and masks causally, so the real ones never see the fillers, which attend to
+        whatever the null or stale table entries name and are dropped). Returns the placeholder rows moved
+        and the device view the real tokens' rows are uploaded to."""
+        s_count, num_tokens = rows.num_seqs, rows.num_tokens
+        st = np.asarray(rows.starts, dtype=np.int64)
+        ql = np.asarray(rows.qlens, dtype=np.int64)
+        qsl = self.qsl_np
+        dest = np.arange(num_tokens) + np.repeat(np.arange(s_count) * q - qsl[:s_count], ql)
+        n = s_count * q
+        for buf, fill in ((self.ids_np, 0), (self.slots_np, -1)):
+            real = buf[:num_tokens].copy()
+            buf[:n] = fill
+            buf[dest] = real
+        real = self.pos_np[:num_tokens].copy()
+        self.pos_np[:n] = np.repeat(st + ql - 1, q)
+        self.pos_np[dest] = real
+        self.seq_lens_np[:s_count] = st + q
+        qsl[: s_count + 1] = np.arange(0, n + 1, q)
+        self._h_row_index[:num_tokens] = torch.from_numpy(dest)
+        ph_rows = dest[ph_rows]
+        self._h_ph_rows[: len(ph_rows)] = torch.from_numpy(ph_rows)
+        return ph_rows, self._row_index[:num_tokens]
+
+    def _pad(self, s_count: int, pad_to: int, q: int = 1) -> None:
+        """Rows s_count..pad_to-1: ``q`` tokens at positions 0..q-1 each, in no slot, reading the null block."""
+        n_pad = pad_to - s_count
+        t0 = s_count * q
+        t1 = t0 + n_pad * q
+        self.ids_np[t0:t1] = 0
+        self.pos_np[t0:t1] = np.tile(np.arange(q), n_pad) if q > 1 else 0
+        self.slots_np[t0:t1] = -1
+        self.seq_lens_np[s_count:pad_to] = q
+        self.qsl_np[s_count + 1 : pad_to + 1] = np.arange(t0 + q, t1 + 1, q)
+        self.table_np[s_count:pad_to, : -(-q // self.block_size)] = 0
+        self._row_blocks[s_count:pad_to] = [None] * n_pad
 
     def _upload(self, n_tok: int, n_seqs: int, max_blocks: int) -> None:
         if self.ids is self._h_ids:

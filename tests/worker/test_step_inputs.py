@@ -197,3 +197,114 @@ def test_block_table_rows_follow_their_requests_across_steps():
     step((ra, la2), (rb, lb), pad_to=4)  # padding rows 2-3 take the null block ...
     step((ra, la2), (rb, lb), (rc, lc), (ra, la2))  # ... and are rewritten when used again
     assert b.table_np[3, :2].tolist() == la2
+
+
+def _verification(builder_blocks: int = 3):
+    """Three requests past their prompts, each with its last token and 2 drafts (3 new tokens a request)."""
+    reqs = [_Req(str(i), [7 + i] * (6 + i) + [1, 2], num_prompt_tokens=4) for i in range(3)]
+    return _Out([_Sched(r, len(r.all_token_ids) - 3, 3, [10 + i, 20 + i, 30 + i][:builder_blocks], num_draft=2)
+                 for i, r in enumerate(reqs)])
+
+
+def test_uniform_multi_token_batch_pads_to_a_graph_size_with_the_eager_metadata():
+    sched = _verification()
+    eager = _builder().build(sched)
+    b = _builder()
+    b.build(_Out([_Sched(_Req("x", [5] * 24, 24), 0, 24, [1, 2, 3, 4, 5, 6])]))  # leaves stale rows behind
+    step = b.build(sched, pad_to=8, max_seq_len_bound=24)
+    q, n = 3, 9
+    assert step.num_seqs == 3 and step.num_tokens == n and not step.decode_only
+    assert step.input_ids.shape[0] == 8 * q and step.meta.slot_mapping.shape[0] == 8 * q
+    assert step.meta.block_tables.shape == (8, 6)
+    # the real rows: what the eager build gives
+    assert step.meta.slot_mapping[:n].tolist() == eager.meta.slot_mapping.tolist()
+    assert step.input_ids[:n].tolist() == eager.input_ids.tolist()
+    assert step.positions[:n].tolist() == eager.positions.tolist()
+    assert step.meta.seq_lens[:3].tolist() == eager.meta.seq_lens.tolist()
+    assert step.meta.query_start_loc[:4].tolist() == eager.meta.query_start_loc.tolist() == [0, 3, 6, 9]
+    assert step.meta.block_tables[:3, :3].tolist() == eager.meta.block_tables.tolist()
+    assert step.meta.max_query_len == eager.meta.max_query_len == q
+    assert step.meta.max_seq_len == 24  # the bound the graph was captured with
+    assert (step.sample_rows, step.sample_request_ids) == (eager.sample_rows, eager.sample_request_ids)
+    assert step.sample_rows == list(range(n))  # every row sampled: the runner slices, no gather
+    # the padding rows: q tokens at positions 0..q-1, writing nothing, reading the null block
+    assert step.meta.slot_mapping[n:].tolist() == [-1] * (5 * q)
+    assert step.positions[n:].tolist() == [0, 1, 2] * 5
+    assert step.input_ids[n:].tolist() == [0] * (5 * q)
+    assert step.meta.seq_lens[3:].tolist() == [q] * 5
+    assert step.meta.query_start_loc.tolist() == list(range(0, 8 * q + 1, q))
+    assert step.meta.block_tables[3:, 0].tolist() == [0] * 5
+
+
+def test_padding_rows_longer_than_a_block_read_only_null_blocks():
+    """q = 6 tokens over blocks of 4: the padding rows' first two table columns are the null block."""
+    reqs = [_Req("a", [3] * 10, num_prompt_tokens=5)]
+    sched = _Out([_Sched(reqs[0], 4, 6, [11, 12, 13], num_draft=5)])
+    b = _builder()
+    b.build(_Out([_Sched(_Req("x", [5] * 24, 24), 0, 24, [1, 2, 3, 4, 5, 6]),
+                  _Sched(_Req("y", [5] * 24, 24), 0, 24, [7, 8, 9, 10, 11, 12])]))
+    step = b.build(sched, pad_to=2, max_seq_len_bound=24)
+    assert step.meta.block_tables[1, :2].tolist() == [0, 0]
+    assert step.meta.seq_lens.tolist() == [10, 6] and step.meta.query_start_loc.tolist() == [0, 6, 12]
+    assert step.positions[6:].tolist() == list(range(6)) and step.meta.slot_mapping[6:].tolist() == [-1] * 6
+
+
+def test_padding_refuses_a_batch_of_mixed_query_lengths_unless_told_the_rows_per_request():
+    reqs = [_Req(str(i), [1] * 8, num_prompt_tokens=4) for i in range(2)]
+    sched = _Out([_Sched(reqs[0], 5, 3, [1, 2], num_draft=2), _Sched(reqs[1], 7, 1, [3, 4])])
+    with pytest.raises(ValueError, match="at most that many new tokens"):
+        _builder().build(sched, pad_to=4, max_seq_len_bound=24)
+    with pytest.raises(ValueError, match="at most that many new tokens"):
+        _builder().build(sched, pad_to=4, max_seq_len_bound=24, pad_query_len=2)  # a request has 3
+
+
+def test_a_verification_with_fewer_drafts_spreads_each_request_over_q_rows():
+    """Requests with 2, 0 and 1 drafts in the graph of 3 tokens a request: each request's tokens start at row
+    3 i with their eager positions and slots, filler rows after them write nothing, the row index maps the
+    eager rows to them, and the logits rows stay the eager build's (they index the gathered rows)."""
+    reqs = [_Req("a", [7] * 6 + [1, 2], 4), _Req("b", [8] * 9, 4), _Req("c", [9] * 5 + [3], 4)]
+    sched = _Out([_Sched(reqs[0], 5, 3, [10, 20], num_draft=2), _Sched(reqs[1], 8, 1, [11, 21, 31]),
+                  _Sched(reqs[2], 4, 2, [12, 22], num_draft=1)])
+    eager = _builder().build(sched)
+    b = _builder()
+    b.build(_Out([_Sched(_Req("x", [5] * 24, 24), 0, 24, [1, 2, 3, 4, 5, 6])]))  # leaves stale rows behind
+    step = b.build(sched, pad_to=4, max_seq_len_bound=24, pad_query_len=3)
+    n = 6
+    assert step.num_tokens == n and step.input_ids.shape[0] == 12 and step.meta.max_query_len == 3
+    rows = step.row_index.tolist()
+    assert rows == [0, 1, 2, 3, 6, 7]
+    assert step.input_ids[rows].tolist() == eager.input_ids.tolist()
+    assert step.positions[rows].tolist() == eager.positions.tolist()
+    assert step.meta.slot_mapping[rows].tolist() == eager.meta.slot_mapping.tolist()
+    fillers = [4, 5, 8, 9, 10, 11]
+    assert step.meta.slot_mapping[fillers].tolist() == [-1] * 6
+    assert step.positions[[4, 5, 8]].tolist() == [8, 8, 5]  # a filler sits at its request's last position
+    # each request's q rows end where its rows + fillers end: the real rows keep their positions
+    assert step.meta.seq_lens.tolist() == [5 + 3, 8 + 3, 4 + 3, 3]
+    assert step.meta.query_start_loc.tolist() == [0, 3, 6, 9, 12]
+    for i, s in enumerate(sched.scheduled):  # each request's blocks (columns past them are never read as its KV)
+        assert step.meta.block_tables[i, :len(s.block_ids)].tolist() == s.block_ids
+    assert (step.sample_rows, step.sample_request_ids) == (eager.sample_rows, eager.sample_request_ids)
+    # a uniform step has no row index
+    assert b.build(_verification(), pad_to=4, max_seq_len_bound=24, pad_query_len=3).row_index is None
+
+
+def test_multi_token_buckets_fit_the_step_buffers():
+    g = DecodeGraphs(lambda *a: None, _builder(max_tokens=64), max_size=40, max_model_len=64, query_lens=(1, 5))
+    assert g.sizes_by_q[5] == [1, 2, 4, 8, 12]  # 12 rows of 5 tokens fill 60 of the 64 token slots
+    assert [g.bucket(n, 5) for n in (1, 3, 9, 12)] == [1, 4, 12, 12]
+    assert g.bucket(13, 5) is None and g.bucket(2, 3) is None  # too many rows; a length not captured
+    assert g.bucket(33) == 40  # decode steps keep their sizes
+
+
+def test_placeholder_tokens_of_a_padded_multi_token_step():
+    """A draft model's lookahead pass reads the previous pass's tokens on the device (placeholders) in a
+    padded graph batch: the real rows get them, the padding rows stay token 0."""
+    from paged_backend.core.scheduler import ScheduledRequest
+
+    b = _builder()
+    sched = _Out([ScheduledRequest.lookahead("a", 5, -1, [3, 4]), ScheduledRequest.lookahead("c", 2, -1, [7])])
+    prev = (["c", "a"], torch.tensor([31, 11]))
+    step = b.build(sched, pad_to=4, max_seq_len_bound=24, prev=prev)
+    assert step.input_ids.tolist() == [11, 31, 0, 0]
+    assert step.meta.slot_mapping.tolist() == [4 * 4 + 1, 7 * 4 + 2, -1, -1]
