@@ -13,8 +13,9 @@ from paged_backend.sampling_params import SamplingParams
 
 class SwapSim:
     def __init__(self, *, device_blocks: int = 7, host_blocks: int = 9, mode: str | None = "swap",
-                 min_tokens: int = SWAP_MIN_TOKENS, max_num_seqs: int = 8, block_size: int = 4) -> None:
-        self.kv = KVCacheManager(device_blocks, block_size, True)
+                 min_tokens: int = SWAP_MIN_TOKENS, max_num_seqs: int = 8, block_size: int = 4,
+                 caching: bool = True) -> None:
+        self.kv = KVCacheManager(device_blocks, block_size, caching)
         self.swap = SwapSpace(host_blocks, block_size, mode, min_tokens)
         self.sched = Scheduler(self.kv, max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=64,
                                swap=self.swap)

@@ -161,6 +161,20 @@ class KVCacheManager:
         host.stats.record(request.num_tokens, (len(hit) - num_device) * bs)
         return hit
 
+    def get_cached_run(self, request: Request, max_blocks: int) -> list[KVCacheBlock]:
+        """The device blocks cached under the request's first ``max_blocks`` hashes, in order, up to the
+        first miss (a swapped-out request's blocks that no one reused since: they resume in place). No
+        counting, no references (``allocate_slots`` takes them). [] without prefix caching."""
+        if not self.enable_caching:
+            return []
+        run: list[KVCacheBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.block_pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            run.append(block)
+        return run
+
     def _max_hit_blocks(self, request: Request) -> int:
         return (request.num_tokens - 1) // self.block_size
 

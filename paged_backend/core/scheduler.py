@@ -282,7 +282,9 @@ class Scheduler:
 
         out.blocks_to_copy = self.kv.take_pending_copies()
         if self.swap is not None:
-            write_backs, loads = self.kv.take_pending_swaps()
+            # the prefix tier's copies, and the host blocks this step's swap-ins read given back (from the
+            # tier itself: without prefix caching it is not attached to the KV manager)
+            write_backs, loads = self.swap.take_copies()
             out.blocks_to_swap_out = self._unrun_swap_out + out.blocks_to_swap_out + write_backs
             out.blocks_to_swap_in += loads
             self._unrun_swap_out = []
@@ -301,10 +303,17 @@ class Scheduler:
             num_new = min(len(req.all_token_ids) - req.num_computed_tokens, budget)
             if num_new <= 0 or (num_new < len(req.all_token_ids) - req.num_computed_tokens and not self.chunked):
                 break
-            if kv.allocate_slots(req, num_new) is None:
+            # its leading full blocks still cached on the device (freed at swap out, not reused since) are
+            # taken back in place; only the others are copied from the host
+            computed = req.num_computed_tokens
+            run = kv.get_cached_run(req, min(computed // kv.block_size, len(swap.host_block_ids(req.request_id))))
+            req.num_computed_tokens = computed - len(run) * kv.block_size  # allocate_slots counts the run back
+            allocated = kv.allocate_slots(req, num_new, run)
+            req.num_computed_tokens = computed
+            if allocated is None:
                 break
             self.swapped.popleft()
-            out.blocks_to_swap_in += swap.swap_in(req.request_id, kv.req_block_ids[req.request_id])
+            out.blocks_to_swap_in += swap.swap_in(req.request_id, kv.req_block_ids[req.request_id], len(run))
             req.status = RequestStatus.RUNNING
             req.scheduled_step = self._step
             self.running.append(req)

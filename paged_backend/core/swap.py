@@ -69,6 +69,7 @@ class SwapSpace:
         self.stats = PrefixCacheStats()  # the prefix tier's lookups: tokens queried, tokens hit here
         self.num_swapped_out_blocks = 0  # counters, since start
         self.num_swapped_in_blocks = 0
+        self.num_reused_in_place_blocks = 0  # swapped-out blocks found still cached on the device at swap in
         self.num_written_back_blocks = 0  # device evictions copied here
         self.num_loaded_blocks = 0  # prefix hits copied back to the device
 
@@ -120,16 +121,19 @@ class SwapSpace:
         self.num_swapped_out_blocks += len(host)
         return [(d, h.block_id) for d, h in zip(device_block_ids, host, strict=True)]
 
-    def swap_in(self, request_id: str, device_block_ids: list[int]) -> list[tuple[int, int]]:
+    def swap_in(self, request_id: str, device_block_ids: list[int], num_in_place: int = 0) -> list[tuple[int, int]]:
         """The (host, device) copies bringing the request's blocks back into ``device_block_ids``
-        (its new leading blocks); its host blocks are free again once the step's plan is made
+        (its new leading blocks), but for the first ``num_in_place``: device blocks still cached under
+        their hashes, used as they are; its host blocks are free again once the step's plan is made
         (``take_copies``), keeping their hashes."""
         host = self._req_blocks.pop(request_id)
-        if len(device_block_ids) < len(host):
-            raise ValueError(f"request {request_id}: {len(host)} host blocks, {len(device_block_ids)} device blocks")
-        pairs = [(h.block_id, d) for h, d in zip(host, device_block_ids, strict=False)]
+        if len(device_block_ids) < len(host) or num_in_place > len(host):
+            raise ValueError(f"request {request_id}: {len(host)} host blocks, {len(device_block_ids)} device blocks, "
+                             f"{num_in_place} in place")
+        pairs = [(h.block_id, d) for h, d in zip(host[num_in_place:], device_block_ids[num_in_place:], strict=False)]
         self._held.extend(reversed(host))  # the request's references, dropped by take_copies
-        self.num_swapped_in_blocks += len(host)
+        self.num_swapped_in_blocks += len(pairs)
+        self.num_reused_in_place_blocks += num_in_place
         return pairs
 
     def free(self, request_id: str) -> None:

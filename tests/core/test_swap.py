@@ -44,16 +44,31 @@ def test_swap_out_then_in_without_recompute() -> None:
     assert sim.reqs["a"].is_finished
     assert [blk.block_id for blk in sim.kv.block_pool.free_block_queue.get_all_free_blocks()] == [4, 3, 6, 5, 2, 1]
     out = sim.step()
-    # b resumes at position 12 in four new blocks: its three blocks come back from the host, nothing recomputed;
-    # a's full block 5 is evicted for it and written back to the prefix tier (b's own evicted blocks are
-    # already there, cached when swapped out)
-    assert rows(out) == [("b", 12, 1, [4, 3, 6, 5])]
-    assert out.blocks_to_swap_in == [(1, 4), (2, 3), (3, 6)] and out.blocks_to_swap_out == [(5, 4)]
+    # b resumes at position 12, nothing recomputed: its first two blocks (3, 4) are still cached on the device
+    # and come back in place; its third (6) was a's meanwhile, so host block 3 is copied into a new block (6
+    # again) and a fourth (5) follows; a's full block 5 is evicted for it and written back to the prefix tier
+    # (b's own blocks are already there, cached when swapped out)
+    assert rows(out) == [("b", 12, 1, [3, 4, 6, 5])]
+    assert out.blocks_to_swap_in == [(3, 6)] and out.blocks_to_swap_out == [(5, 4)]
     assert b.status == RequestStatus.RUNNING and sim.swap.num_free_blocks == 8 and sim.swap.num_written_back_blocks == 1
-    assert sim.swap.num_swapped_out_blocks == sim.swap.num_swapped_in_blocks == 3
+    assert sim.swap.num_swapped_out_blocks == 3 and sim.swap.num_swapped_in_blocks == 1
+    assert sim.swap.num_reused_in_place_blocks == 2
     while sim.sched.has_work():
         sim.step()
     assert b.num_output_tokens == 14 and b.num_preemptions == 1
+    sim.assert_all_free()
+
+
+def test_without_prefix_caching_every_block_comes_back_from_the_host_and_none_leaks() -> None:
+    sim = SwapSim(caching=False)
+    out = run_to_swap(sim)
+    assert out.preempted == ["b"] and out.blocks_to_swap_out == [(3, 1), (4, 2), (6, 3)]
+    out = sim.step()
+    assert rows(out) == [("b", 12, 1, [4, 3, 6, 5])]
+    assert out.blocks_to_swap_in == [(1, 4), (2, 3), (3, 6)] and out.blocks_to_swap_out == []
+    assert sim.swap.num_free_blocks == 8 and sim.swap.num_reused_in_place_blocks == 0
+    while sim.sched.has_work():
+        sim.step()
     sim.assert_all_free()
 
 
@@ -64,6 +79,12 @@ def test_no_waiting_request_admitted_while_one_is_swapped_out() -> None:
     out = sim.step()  # a decodes in its fourth block; b cannot come back (needs 4, 0 free): c waits too
     assert rows(out) == [("a", 13, 1, [1, 2, 5, 6])]
     assert sim.sched.num_swapped == 1 and sim.sched.num_waiting == 1
+    while sim.sched.num_swapped:
+        out = sim.step()
+    # once a has finished b resumes first: a took b's second block (4) meanwhile, so only the first (3) is still
+    # cached on the device and comes back in place; the run stops there: host blocks 2 and 3 are copied in
+    assert rows(out) == [("b", 12, 1, [3, 4, 6, 5]), ("c", 0, 7, [2, 1])]
+    assert out.blocks_to_swap_in == [(2, 4), (3, 6)] and sim.swap.num_reused_in_place_blocks == 1
     while sim.sched.has_work():
         sim.step()
     sim.assert_all_free()
@@ -81,9 +102,9 @@ def test_abort_while_swapped_out_frees_the_host_blocks() -> None:
 def test_abort_in_the_step_that_swaps_in_frees_the_new_device_blocks() -> None:
     sim = SwapSim()
     run_to_swap(sim)
-    out = sim.sched.schedule()  # b swapped in; abort before its step ran
-    assert out.blocks_to_swap_in == [(1, 4), (2, 3), (3, 6)]
-    assert sim.kv.get_block_ids("b") == [4, 3, 6, 5] and sim.swap.num_free_blocks == 8
+    out = sim.sched.schedule()  # b swapped in (two blocks in place, one from the host); abort before its step ran
+    assert out.blocks_to_swap_in == [(3, 6)]
+    assert sim.kv.get_block_ids("b") == [3, 4, 6, 5] and sim.swap.num_free_blocks == 8
     sim.sched.finish(sim.reqs["b"], RequestStatus.FINISHED_ABORTED)
     sim.assert_all_free()
 

@@ -23,14 +23,19 @@ def assert_host_free(engine) -> None:
     assert all(b.ref_cnt == 0 for b in swap.pool.blocks)
 
 
-def test_swap_preemption_keeps_greedy_outputs():
-    # 15 usable device blocks of 16 tokens; a host tier of 0.05 GiB (~70 blocks of 720 KiB)
-    llm = make_llm(num_gpu_blocks_override=16, swap_space=0.05, preemption_mode="swap")
+@pytest.mark.parametrize("caching", [True, False])
+def test_swap_preemption_keeps_greedy_outputs(caching: bool):
+    # 15 usable device blocks of 16 tokens; a host tier of 0.05 GiB (~70 blocks of 720 KiB). With prefix
+    # caching a swapped-out request's blocks still cached on the device at swap in come back in place; without
+    # it every block is copied back from the host
+    llm = make_llm(num_gpu_blocks_override=16, swap_space=0.05, preemption_mode="swap", enable_prefix_caching=caching)
     engine = llm.engine
     assert engine.swap is not None and engine.swap.num_total_usable >= 60
     outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    swap = engine.swap
     assert engine.scheduler.num_swap_preemptions > 0
-    assert engine.swap.num_swapped_in_blocks == engine.swap.num_swapped_out_blocks > 0
+    assert swap.num_swapped_in_blocks + swap.num_reused_in_place_blocks == swap.num_swapped_out_blocks > 0
+    assert (swap.num_reused_in_place_blocks > 0) == caching and swap.num_swapped_in_blocks > 0
     assert [o.outputs[0].token_ids for o in outs] == [hf_greedy(p) for p in PROMPTS]
     assert_no_leak(engine)
     assert_host_free(engine)
