@@ -4,12 +4,14 @@ DeepSeek-V3 (latent attention) and GLM-4.5 (grouped-query attention) checkpoints
 (transformers running the layer's decoder block), so do the engine's drafts after every step, greedy output
 equals greedy output without speculation whatever the batching, chunking, swap preemption, forks or prefix hits,
 an MTP layer built to predict well gets its drafts accepted, aborts leak no block, and the MTP layer's cache
-counts in the KV budget; over 2 tensor-parallel ranks (gloo) the tokens, drafts and acceptance are the single
+counts in the KV budget; on the Triton attention backend (the GPU, or the interpreter on CPU) every MTP pass's
+logits are the torch backend's; over 2 tensor-parallel ranks (gloo) the tokens, drafts and acceptance are the single
 process's and every rank's blocks are accounted."""
 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -186,8 +188,23 @@ def test_the_engine_drafts_are_the_formula_drafts_step_after_step(family, tmp_pa
     tokens (the MTP cache holds exactly the positions the target kept, the second draft reads the first's
     hidden state one position on)."""
     path, _ = family
-    ref = MTPReference(path, tmp_path)
-    engine = tiny_llm(path, speculative_config=MTP, max_num_batched_tokens=16).engine
+    _check_formula_drafts_step_after_step(tiny_llm(path, speculative_config=MTP, max_num_batched_tokens=16).engine,
+                                          MTPReference(path, tmp_path))
+
+
+def _check_formula_drafts_step_after_step(engine, ref: MTPReference) -> list[tuple[list, torch.Tensor]]:
+    """Prompts 2 and 3 to 8 tokens on ``engine`` (MTP, two drafts): after every step each decoding request's
+    drafts are ``ref.drafts`` of its tokens; every block is back. Returns each MTP pass's (spans, logits)."""
+    passes = []
+    execute_mtp = engine.runner.execute_mtp
+
+    def record(sched, rows, spec_step=0):
+        logits = execute_mtp(sched, rows, spec_step)
+        spans = [(s.request_id, s.start_pos, s.token_ids) for s in sched.scheduled]
+        passes.append(((spans, list(rows), spec_step), logits.cpu()))
+        return logits
+
+    engine.runner.execute_mtp = record
     params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
     for i in (2, 3):
         engine.add_request(f"r{i}", PROMPTS[i], params)
@@ -200,6 +217,8 @@ def test_the_engine_drafts_are_the_formula_drafts_step_after_step(family, tmp_pa
                 checked += 1
     assert checked >= 4 and engine.spec.stats.num_drafts >= 4
     assert_no_leak(engine)
+    del engine.runner.execute_mtp
+    return passes
 
 
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}, {"async_scheduling": True},
@@ -354,27 +373,81 @@ def test_mtp_needs_a_checkpoint_with_mtp_layers(tmp_path) -> None:
     assert not any(n.startswith("mtp.") for n, _ in engine.runner.model.named_parameters())
 
 
+# DeepSeek-V3 with a rotary part the latent-attention Triton kernel takes (its dims powers of two >= 16; the
+# family's 8 runs the torch reference on the Triton backend)
+TRITON_DIMS = {"deepseek_v3": dict(qk_rope_head_dim=16, head_dim=16), "glm4_moe": {}}
+
+
+def _check_triton_path(name: str, tmp_path: Path, atol: float, quick: bool = False, **kw) -> None:
+    """The Triton attention backend, prefills in chunks of 16: the drafts after every step are the formula's and
+    every MTP pass's logits the torch backend's (within ``atol``), the tokens with two MTP drafts a step are those
+    without speculation, and an MTP layer built to predict well gets the torch path's drafts and acceptances (a
+    random one gets none accepted on either path). ``quick``: two prompts to 8 tokens, no run without speculation.
+    ``kw``: the engine's arguments (device, dtype, ...)."""
+    from paged_backend import LLM
+
+    def llm(path: Path, **more) -> LLM:
+        out = LLM(model=str(path), skip_tokenizer_init=True, log_stats_interval=0, seed=0,
+                  attention_backend="triton", max_num_batched_tokens=16, **kw, **more)
+        assert out.engine.runner.attn_backend.name == "triton" and out.engine.runner.graphs is None
+        return out
+
+    def tokens(llm: LLM) -> list[list[int]]:
+        if not quick:
+            return greedy_tokens(llm)
+        params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+        return [o.outputs[0].token_ids for o in llm.generate(PROMPTS[2:], params, use_tqdm=False)]
+
+    path = make_mtp_checkpoint(tmp_path / "random", name, **TRITON_DIMS[name])
+    ref = MTPReference(path, tmp_path)
+    want = _check_formula_drafts_step_after_step(
+        tiny_llm(path, speculative_config=MTP, max_num_batched_tokens=16, attention_backend="torch").engine, ref)
+    spec = llm(path, speculative_config=MTP)
+    try:
+        # the same passes as the torch path's, each with its logits (a position or cache slot off shows here
+        # before it flips a draft)
+        got = _check_formula_drafts_step_after_step(spec.engine, ref)
+        assert [g[0] for g in got] == [w[0] for w in want]
+        for i, ((_, g), (_, w)) in enumerate(zip(got, want, strict=True)):
+            assert torch.allclose(g, w, atol=atol, rtol=atol), (i, (g - w).abs().max())
+        if not quick:
+            plain = llm(path)
+            expected = greedy_tokens(plain)
+            plain.engine.shutdown()
+            assert greedy_tokens(spec) == expected
+            assert_no_leak(spec.engine)
+    finally:
+        spec.engine.shutdown()
+    # the random layer's drafts are rejected on either path: acceptance with a layer that predicts well
+    path = make_mtp_checkpoint(tmp_path / "predictive", name, _predictive, num_hidden_layers=1,
+                               first_k_dense_replace=0, **TRITON_DIMS[name])
+    torch_path = tiny_llm(path, speculative_config=MTP, max_num_batched_tokens=16, attention_backend="torch")
+    expected = tokens(torch_path)
+    spec = llm(path, speculative_config=MTP)
+    try:
+        assert tokens(spec) == expected
+        stats, want = spec.engine.spec.stats, torch_path.engine.spec.stats
+        assert stats.num_accepted_tokens >= stats.num_draft_tokens // 2 > 0, stats
+        assert (stats.num_drafts, stats.num_draft_tokens, stats.accepted_per_pos) == (
+            want.num_drafts, want.num_draft_tokens, want.accepted_per_pos)
+        assert_no_leak(spec.engine)
+    finally:
+        spec.engine.shutdown()
+
+
 @pytest.mark.cuda
 @pytest.mark.parametrize("name", sorted(FAMILIES))
 def test_cuda_triton_greedy_with_mtp_drafts_equals_greedy_without(name, tmp_path) -> None:
-    """On the GPU in fp32 (Triton kernels; the latent-attention kernel for DeepSeek), prefills in chunks of 16:
-    the tokens with two MTP drafts a step are those without speculation, and drafts were accepted."""
-    from paged_backend import LLM
+    """On the GPU in fp32 (Triton kernels; the latent-attention kernel for DeepSeek): ``_check_triton_path``."""
+    _check_triton_path(name, tmp_path, 1e-3, dtype="float32", device="cuda", kv_cache_memory_bytes=16 << 20)
 
-    path = make_mtp_checkpoint(tmp_path, name)
-    kw = dict(model=str(path), dtype="float32", device="cuda", kv_cache_memory_bytes=16 << 20,
-              skip_tokenizer_init=True, log_stats_interval=0, seed=0, max_num_batched_tokens=16)
-    plain = LLM(**kw)
-    expected = greedy_tokens(plain)
-    plain.engine.shutdown()
-    llm = LLM(**kw, speculative_config=MTP)
-    try:
-        assert llm.engine.runner.attn_backend.name == "triton" and llm.engine.runner.graphs is None
-        assert greedy_tokens(llm) == expected
-        assert llm.engine.spec.stats.num_accepted_tokens > 0
-        assert_no_leak(llm.engine)
-    finally:
-        llm.engine.shutdown()
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"), reason="needs TRITON_INTERPRET=1")
+@pytest.mark.parametrize("name", sorted(FAMILIES))
+def test_interpreted_triton_path_drafts_are_the_formula_drafts(name, tmp_path) -> None:
+    """``_check_triton_path`` (quick) on CPU tensors under the Triton interpreter (the attention kernels; the
+    model's other ops the torch references)."""
+    _check_triton_path(name, tmp_path, 1e-4, quick=True, dtype="float32", device="cpu", kv_cache_memory_bytes=4 << 20)
 
 
 def _rank_blocks_match(engine) -> None:
