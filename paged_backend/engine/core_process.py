@@ -376,7 +376,6 @@ class EngineCore:
                 if self.acceptor is not None:
                     self._drop_stalled()
         except BaseException as exc:  # report, then exit: the front ends fail every request
-            self._watch(False)
             logger.exception("engine core loop died")
             for client in list(self.clients.values()):
                 try:

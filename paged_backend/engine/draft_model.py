@@ -112,9 +112,7 @@ class DraftModelProposer:
             prev = (out.sample_request_ids, drafts)
         if not passes:
             return
-        tokens = torch.cat([d for _, d in passes]).tolist()
-        i = 0
+        tokens = iter(torch.cat([d for _, d in passes]).tolist())
         for live, _ in passes:
             for req in live:
-                req.spec_token_ids.append(tokens[i])
-                i += 1
+                req.spec_token_ids.append(next(tokens))

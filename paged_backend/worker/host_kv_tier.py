@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from paged_backend.attention.kv_cache_spec import KVCacheSpec
+from paged_backend.attention.kv_cache_spec import KVCacheSpec, block_runs
 
 DEFAULT_STAGING_BYTES = 256 << 20
 _WORDS = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
@@ -70,14 +70,8 @@ def _word_size(part_bytes: Sequence[int]) -> int:
 
 def host_runs(host_ids: Sequence[int]) -> list[tuple[int, int, int]]:
     """(row, host id, n) for each run of consecutive ``host_ids``: rows row .. row + n - 1 hold host
-    blocks host id .. host id + n - 1."""
-    runs: list[list[int]] = []
-    for row, h in enumerate(host_ids):
-        if runs and h == runs[-1][1] + runs[-1][2]:
-            runs[-1][2] += 1
-        else:
-            runs.append([row, h, 1])
-    return [(r, h, n) for r, h, n in runs]
+    blocks host id .. host id + n - 1 (``block_runs`` over (row, host id) pairs: the rows are consecutive)."""
+    return block_runs(list(enumerate(host_ids)))
 
 
 def staging_blocks(block_bytes: int, num_host_blocks: int, device: torch.device,
