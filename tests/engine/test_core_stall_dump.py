@@ -18,6 +18,10 @@ from paged_backend.engine.llm_engine import LLMEngine
 pytestmark = pytest.mark.slow
 
 
+def _stall() -> None:
+    time.sleep(1.5)  # three times the dump's limit
+
+
 def test_a_step_that_hangs_dumps_the_stacks_and_waiting_does_not(monkeypatch, capfd):
     monkeypatch.setenv(core_process.STALL_DUMP_ENV, "0.5")
     engine = LLMEngine(EngineConfig(model=model_dir(), dtype="float32", device="cpu", kv_cache_memory_bytes=16 << 20,
@@ -28,7 +32,7 @@ def test_a_step_that_hangs_dumps_the_stacks_and_waiting_does_not(monkeypatch, ca
     def slow_step():
         calls.append(1)
         if len(calls) == 2:
-            time.sleep(1.5)  # a stall three times the dump's limit
+            _stall()
         return step()
 
     monkeypatch.setattr(engine, "step", slow_step)
@@ -48,9 +52,10 @@ def test_a_step_that_hangs_dumps_the_stacks_and_waiting_does_not(monkeypatch, ca
         msg: CoreOutputs = ours.recv()
         done = any(core_process.unpack_output(o).finished for o in msg.outputs)
     err = capfd.readouterr().err
-    # the stalled thread's stack, from the sleep down to the core's loop (a slow first step may add a dump)
     dumps = err.split("Timeout (0:00:00.500000)!")[1:]
-    assert any("in slow_step" in d and "core_process.py" in d for d in dumps), err
+    # one dump for the stall (a slow first step may add one of its own), the stack down to the core's loop
+    stalled = [d for d in dumps if "in _stall" in d]
+    assert len(stalled) == 1 and "in slow_step" in stalled[0] and "core_process.py" in stalled[0], err
     time.sleep(1.0)  # idle again: nothing more is written
     assert "Timeout" not in capfd.readouterr().err
     ours.send([("shutdown", None)])
