@@ -16,7 +16,7 @@ are left unmasked. Logprobs then describe the masked distribution, as vLLM's do.
 with xgrammar's BatchGrammarMatcher on ``FILL_THREADS`` threads (the host's per-row work is what a
 constrained step adds at small models), into pinned buffers whose copies to the device do not wait for the
 stream (``PINNED_STAGING``). Under async scheduling the engine fills them ahead (``fill_masks_ahead``): as
-soon as a step's sampled ids reach the host, the mask thread has the matchers take them and fills the next
+soon as a step's sampled ids reach the host, the matchers take them and the mask thread fills the next
 step's masks while the engine thread processes the step's outputs; the sampling launch then only copies
 and applies them (``apply_masks``).
 """
@@ -26,6 +26,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import threading
 import weakref
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -192,8 +193,37 @@ def accept_all(pending: Sequence[tuple[RequestGrammar, Sequence[int]]]) -> None:
 def fill_masks(pending: Sequence[tuple[int, RequestGrammar, Sequence[int]]], vocab_size: int,
                device: torch.device) -> StagedMasks | None:
     """Each (logits row, grammar, its new output tokens) takes the tokens, then the rows still constrained get
-    their masks of allowed next tokens; None when no row is constrained. Host work only (no CUDA call): it may
-    run on the mask thread while the engine processes the step before."""
+    their masks of allowed next tokens; None when no row is constrained. Host work only (no CUDA call)."""
+    job = _prepare_fill(pending, vocab_size, device)
+    return None if job is None else job.run()
+
+
+@dataclass
+class _FillJob:
+    """A step's masks to fill: the live rows' matchers (mask row i is ``matchers[i]``), into ``staged``."""
+
+    matchers: list[Any]
+    staged: StagedMasks
+
+    def run(self) -> StagedMasks:
+        n = len(self.matchers)
+        if FILL_THREADS and n > 1:  # one call into xgrammar, which releases the GIL for all of it
+            _batch_matcher(FILL_THREADS).batch_fill_next_token_bitmask(self.matchers, self.staged.mask,
+                                                                       indices=list(range(n)))
+        else:
+            for i, matcher in enumerate(self.matchers):
+                matcher.fill_next_token_bitmask(self.staged.mask, i)
+        return self.staged
+
+    def run_started(self, started: threading.Event) -> StagedMasks:
+        started.set()
+        return self.run()
+
+
+def _prepare_fill(pending: Sequence[tuple[int, RequestGrammar, Sequence[int]]], vocab_size: int,
+                  device: torch.device) -> _FillJob | None:
+    """The accepts of ``pending``'s tokens, and the buffers and rows of the masks still to fill (None: no row is
+    constrained)."""
     accept_all([(g, tokens) for _, g, tokens in pending])
     live = [(row, g) for row, g, _ in pending if g.constrains]
     if not live:
@@ -205,21 +235,30 @@ def fill_masks(pending: Sequence[tuple[int, RequestGrammar, Sequence[int]]], voc
         mask, row_index = staging.buffers(n, words)
     else:
         mask, row_index = torch.empty((n, words), dtype=torch.int32), torch.empty((n,), dtype=torch.int32)
-    if FILL_THREADS and n > 1:
-        _batch_matcher(FILL_THREADS).batch_fill_next_token_bitmask([g._matcher for _, g in live], mask,
-                                                                   indices=list(range(n)))
-    else:
-        for i, (_, grammar) in enumerate(live):
-            grammar.fill(mask, i)
     rows_of = [row for row, _ in live]
     row_index.numpy()[:n] = rows_of
-    return StagedMasks(rows_of, mask, row_index, staging)
+    return _FillJob([g._matcher for _, g in live], StagedMasks(rows_of, mask, row_index, staging))
+
+
+HANDOFF_TIMEOUT_S = 0.5  # the longest the caller waits for the mask thread to start a fill
 
 
 def fill_masks_ahead(pending: Sequence[tuple[int, RequestGrammar, Sequence[int]]], vocab_size: int,
                      device: torch.device) -> Future[StagedMasks | None]:
-    """``fill_masks`` on the mask thread (xgrammar works outside the GIL): the caller overlaps its own work."""
-    return _mask_thread().submit(fill_masks, pending, vocab_size, device)
+    """``fill_masks`` with the fill on the mask thread, while the caller goes on with its own work. The accepts
+    and buffers are made here; the caller then waits until the mask thread has started, so that the GIL passes
+    to it at once: a thread waiting for the GIL otherwise runs only when the holder blocks or after the
+    interpreter's switch interval (5 ms, longer than a step), and the fill would start when the caller
+    waits for its result. The fill itself is one xgrammar call outside the GIL."""
+    job = _prepare_fill(pending, vocab_size, device)
+    if job is None:
+        done: Future[StagedMasks | None] = Future()
+        done.set_result(None)
+        return done
+    started = threading.Event()
+    future = _mask_thread().submit(job.run_started, started)
+    started.wait(HANDOFF_TIMEOUT_S)
+    return future
 
 
 def apply_masks(logits: torch.Tensor, staged: StagedMasks) -> None:

@@ -43,3 +43,28 @@ def test_masks_keep_exactly_the_allowed_tokens(device: str) -> None:
         assert grammar.accepted == len(outputs[i])
     for row in (1, 3):
         assert torch.equal(logits[row], before[row])
+
+
+def test_masks_filled_ahead_equal_the_masks_filled_at_once_and_the_fill_has_started_on_return() -> None:
+    """``fill_masks_ahead`` (the accepts on the caller's thread, the fill on the mask thread) writes the masks
+    ``fill_masks`` writes, and returns only once the mask thread runs the fill: it is handed the GIL, so the
+    fill overlaps the caller's work instead of waiting for the caller to block."""
+    from paged_backend.sample.grammar import fill_masks, fill_masks_ahead
+
+    tok = tokenizer()
+    vocab = len(tok)
+    compiled = GrammarCompiler(tok, vocab, [tok.eos_token_id]).compile(StructuredOutputsParams(json=SCHEMA))
+    texts = ['{"name": "ab', '{"name": "x", "n": 1', "", '{"na']
+    masks = []
+    for fill in (fill_masks, fill_masks_ahead):
+        grammars = [RequestGrammar(compiled) for _ in texts]
+        pending = [(2 * i, g, tok.encode(t)) for i, (g, t) in enumerate(zip(grammars, texts, strict=True))]
+        staged = fill(pending, vocab, torch.device("cpu"))
+        if fill is fill_masks_ahead:
+            assert staged.running() or staged.done()
+            staged = staged.result()
+        assert staged is not None and staged.rows_of == [0, 2, 4, 6]
+        assert [g.accepted for g in grammars] == [len(tok.encode(t)) for t in texts]
+        masks.append(staged.mask[: len(texts)].clone())
+    assert torch.equal(masks[0], masks[1])
+    assert bool((masks[0] != -1).any()), "the grammars should forbid some tokens"
