@@ -43,6 +43,7 @@ from paged_backend.sample.sampler import Sampler
 from paged_backend.sampling_params import SamplingParams
 from paged_backend.worker.model_loader import resolve_dtype
 from paged_backend.worker.pipeline_parallel import create_model_runner
+from paged_backend.worker.step_inputs import PendingTokens
 
 __all__ = ["LLMEngine", "PreparedRequest", "max_token_bytes"]
 
@@ -109,6 +110,10 @@ class LLMEngine:
         self.outputs = OutputProcessor(self.scheduler, self.stats, self.eos_token_ids, self.max_model_len)
         self.groups, self.samples = self.outputs.groups, self.outputs.samples  # the live requests
         self._inflight: LaunchedStep | None = None  # async: the step whose sampled ids are still on the device
+        # async with structured outputs: the step whose sampling waits for its masks, queued in the next step
+        # by the runner after that step's inputs are built (``PendingTokens``), so that the fill overlaps them
+        self._unsampled: tuple[LaunchedStep, list[int] | None] | None = None
+        self._defers_sampling = self.async_scheduling and getattr(self.runner, "takes_pending_tokens", False)
         pp = config.pipeline_parallel_size  # pipeline parallelism: micro-batches in flight (pipeline_steps.py)
         self.pipeline = PipelinedSteps(self, pp) if pp > 1 else None
         _log_engine(self)
@@ -207,6 +212,9 @@ class LLMEngine:
         if sched.preempted:
             self.stats.on_preemptions(len(sched.preempted))
         prev, self._inflight = self._inflight, None
+        unsampled, self._unsampled = self._unsampled, None
+        if unsampled is not None and sched.is_empty:
+            prev, unsampled = self._launch_sampling(*unsampled), None
         if sched.is_empty:
             if prev is None:
                 return []
@@ -214,7 +222,11 @@ class LLMEngine:
             if self.spec is not None:  # its requests' next drafts
                 self.spec.propose(self.samples, [prev.sched])
             return results
-        if prev is None or self.spec is not None:  # speculative: nothing scheduled is in flight
+        if unsampled is not None:  # sampled by the runner once this step's inputs are built
+            prev = unsampled[0]
+            pending = PendingTokens(lambda: self._launch_sampling(*unsampled).tokens)
+            out = self.runner.execute(sched, (prev.out.sample_request_ids, pending))
+        elif prev is None or self.spec is not None:  # speculative: nothing scheduled is in flight
             out = self.runner.execute(sched)
         else:
             out = self.runner.execute(sched, (prev.out.sample_request_ids, prev.tokens))
@@ -228,6 +240,9 @@ class LLMEngine:
         if self.spec is not None:
             return self._speculative_step(launched, index, prev)
         results = self._finish(prev, upcoming=(rows, out.logits)) if prev is not None else []
+        if self._defers_sampling and self.step_sampler.defer(launched):
+            self._unsampled = (launched, index)
+            return results
         launched = self._launch_sampling(launched, index)
         if launched.tokens is not None:
             self._inflight = launched

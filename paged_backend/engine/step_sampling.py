@@ -61,6 +61,7 @@ class StepSampler:
         # structured outputs under async scheduling: the queued step's rows and their masks being filled
         self._ahead: tuple[list[Row], Future[StagedMasks | None]] | None = None
         self.num_masks_ahead = 0  # steps whose masks were filled while the step before was processed
+        self.num_deferred = 0  # of those, steps sampled in the next step, once its inputs were built (``defer``)
 
     def launch(self, launched: LaunchedStep, index: list[int] | None) -> LaunchedStep:
         """Sample the step's rows (``index``: their logits rows when forks repeat some). Async:
@@ -79,6 +80,18 @@ class StepSampler:
             return launched
         self.queue(launched, logits, fast)
         return launched
+
+    def defer(self, launched: LaunchedStep) -> bool:
+        """Async: whether ``launched``'s sampling waits for the next step (its masks are being filled: the
+        next step queues it after building its inputs, so the fill overlaps that work); its requests' tokens
+        count as in flight from now on."""
+        ahead = self._ahead
+        if ahead is None or ahead[0] is not launched.rows or launched.forking or not launched.rows:
+            return False
+        for _, sample in launched.rows:
+            sample.request.num_pending = 1
+        self.num_deferred += 1
+        return True
 
     def queue(self, launched: LaunchedStep, logits: torch.Tensor, fast: bool,
               histories: list[list[int]] | None = None) -> None:

@@ -33,7 +33,7 @@ from paged_backend.worker.cuda_graphs import DecodeGraphs
 from paged_backend.worker.host_kv_tier import HostKVTier
 from paged_backend.worker.model_loader import load_model
 from paged_backend.worker.runner import ModelOutput
-from paged_backend.worker.step_inputs import StepInputBuilder, StepInputs
+from paged_backend.worker.step_inputs import PendingTokens, StepInputBuilder, StepInputs, sampled_tokens
 
 if TYPE_CHECKING:
     from paged_backend.distributed import PPStage, TPGroup
@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 class ModelRunner:
     """The whole model (or one tensor-parallel rank's slice of it) in this process; implements
     ``ModelRunnerProtocol``."""
+
+    takes_pending_tokens = True  # ``execute``'s ``prev`` may hold ``PendingTokens``
 
     def __init__(self, config: EngineConfig, model_dir, info: ModelInfo, device: torch.device, dtype: torch.dtype,
                  tp: TPGroup | None = None, pp: PPStage | None = None):
@@ -279,12 +281,13 @@ class ModelRunner:
         return self._overflow
 
     @torch.inference_mode()
-    def execute(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor] | None = None
+    def execute(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor | PendingTokens] | None = None
                 ) -> ModelOutput:
         """Queue the step's forward pass; the logits come back unsynchronized (device tensors).
 
         ``prev`` (async scheduling): the step still in flight's sampled request ids and their
-        sampled token ids (device), for the tokens scheduled before they were known.
+        sampled token ids (device), for the tokens scheduled before they were known; ``PendingTokens``
+        are asked for once this step's inputs are uploaded, before its forward pass.
         """
         return self._outputs(*self._run(sched, prev))
 
@@ -294,7 +297,7 @@ class ModelRunner:
         step)."""
         self._run(sched, None)
 
-    def _run(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor] | None
+    def _run(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor | PendingTokens] | None
              ) -> tuple[StepInputs, torch.Tensor]:
         """The step's inputs and hidden states (one row per real token): a graph replay where one was captured
         for the step's shape (``_graph_shape``), else the eager forward."""
@@ -309,6 +312,8 @@ class ModelRunner:
         if bucket is not None:
             step = builder.build(sched, pad_to=bucket, max_seq_len_bound=self.limits.max_model_len,
                                  sliding_window=window, prev=prev, pad_query_len=q)
+            if prev is not None:  # the step before is sampled before this forward, also without placeholders
+                sampled_tokens(prev)
             hidden = self.graphs.replay(bucket, q)
             rows = step.row_index
             if rows is not None:  # a spread step: the real tokens' rows, in step order
@@ -320,6 +325,8 @@ class ModelRunner:
         else:
             self.step_counts["eager"] += 1
             step = builder.build(sched, sliding_window=window, prev=prev)
+            if prev is not None:
+                sampled_tokens(prev)
             hidden = self._forward(step)
         return step, hidden
 

@@ -52,7 +52,9 @@ class ModelRunnerProtocol(Protocol):
     def execute(self, sched: SchedulerOutput, prev: tuple[list[str], torch.Tensor] | None = None
                 ) -> ModelOutput:
         """Queues the step's forward pass; ``prev``: the step in flight's sampled request ids and
-        token ids (device), for this step's placeholder tokens (async scheduling)."""
+        token ids (device), for this step's placeholder tokens (async scheduling). A runner whose
+        ``takes_pending_tokens`` is true also takes ``step_inputs.PendingTokens`` there: it asks for them
+        after building this step's inputs and before queueing its forward pass."""
         ...
 
     def shutdown(self) -> None:

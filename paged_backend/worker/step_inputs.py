@@ -22,6 +22,7 @@ Index math (docs/ARCHITECTURE.md's contract)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -29,6 +30,29 @@ import torch
 
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.core.scheduler import ScheduledRequest, SchedulerOutput
+
+
+class PendingTokens:
+    """The sampled ids of the step before, queued on the device only when first asked for (``get``): the
+    engine defers that step's sampling while its structured-output masks are being filled, and the runner
+    asks after this step's inputs are built and uploaded, before its forward pass (which reads them)."""
+
+    def __init__(self, launch: Callable[[], torch.Tensor]) -> None:
+        self._launch: Callable[[], torch.Tensor] | None = launch
+        self._tokens: torch.Tensor | None = None
+
+    def get(self) -> torch.Tensor:
+        if self._launch is not None:
+            with torch.inference_mode(False):  # the engine's sampling, as outside the runner's forward
+                self._tokens, self._launch = self._launch(), None
+        assert self._tokens is not None
+        return self._tokens
+
+
+def sampled_tokens(prev: tuple[list[str], torch.Tensor | PendingTokens]) -> torch.Tensor:
+    """``prev``'s sampled ids on the device (queued now if they were pending)."""
+    tokens = prev[1]
+    return tokens.get() if isinstance(tokens, PendingTokens) else tokens
 
 
 @dataclass
@@ -111,7 +135,7 @@ class StepInputBuilder:
 
     def build(self, sched: SchedulerOutput, pad_to: int | None = None, max_seq_len_bound: int | None = None,
               sliding_window: int | None = None,
-              prev: tuple[list[str], torch.Tensor] | None = None, pad_query_len: int | None = None) -> StepInputs:
+              prev: tuple[list[str], torch.Tensor | PendingTokens] | None = None, pad_query_len: int | None = None) -> StepInputs:
         """Fills the buffers; ``pad_to`` rounds a uniform batch (every request has the same number ``q`` of new
         tokens: 1 in a decode step, 1 + k in a verification of k drafts) up to a captured graph's size, with
         padding rows of ``q`` tokens. ``pad_query_len`` names ``q`` (needed where no request has that many: a
@@ -119,7 +143,7 @@ class StepInputBuilder:
         each then spread over ``q`` rows, ``_spread_rows``, and ``StepInputs.row_index`` set).
 
         ``prev``: the step in flight's sampled request ids and sampled token ids (device int64,
-        same order), for the placeholder (-1) tokens of this step.
+        same order; or ``PendingTokens``, asked for after the upload), for the placeholder (-1) tokens of this step.
         """
         if self._uploaded is not None:
             self._uploaded.synchronize()  # the last upload has read the pinned buffers
@@ -153,7 +177,7 @@ class StepInputBuilder:
             if self._ph_src is not self._h_ph_src:
                 src.copy_(self._h_ph_src[:n_ph], non_blocking=True)
                 self._ph_rows[:n_ph].copy_(self._h_ph_rows[:n_ph], non_blocking=True)
-            self.ids.index_copy_(0, self._ph_rows[:n_ph], prev[1].index_select(0, src))
+            self.ids.index_copy_(0, self._ph_rows[:n_ph], sampled_tokens(prev).index_select(0, src))
         if row_index is not None and self._row_index is not self._h_row_index:
             row_index.copy_(self._h_row_index[:num_tokens], non_blocking=True)
         if self.device.type == "cuda":
@@ -249,7 +273,7 @@ class StepInputBuilder:
         return seq_lens[:s_count].tolist()
 
     def _stage_placeholders(self, scheduled: list[ScheduledRequest], rows: _Rows, decode_only: bool,
-                            prev: tuple[list[str], torch.Tensor] | None) -> np.ndarray:
+                            prev: tuple[list[str], torch.Tensor | PendingTokens] | None) -> np.ndarray:
         """The rows whose token is still in flight (-1), and where in ``prev`` each one's token is."""
         ids = self.ids_np
         ph_rows = np.flatnonzero(ids[: rows.num_tokens] < 0)

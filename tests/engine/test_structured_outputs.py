@@ -81,11 +81,45 @@ def test_async_scheduling_keeps_the_grammar(llm):
     params = [SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=Spec(json_object=True)),
               SamplingParams(max_tokens=24, temperature=0.0),
               SamplingParams(max_tokens=24, temperature=0.0, structured_outputs=Spec(regex=r" [12][0-9]{3}\."))]
-    ahead = fast.engine.step_sampler.num_masks_ahead
+    ahead, deferred = fast.engine.step_sampler.num_masks_ahead, fast.engine.step_sampler.num_deferred
     got = [o.outputs[0].token_ids for o in fast.generate(prompts, params, use_tqdm=False)]
     assert got == [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert fast.engine.step_sampler.num_masks_ahead > ahead
+    assert fast.engine.step_sampler.num_deferred > deferred  # sampled by the next step's runner call
     assert_no_leak(fast.engine)
+
+
+def test_aborts_while_a_constrained_step_waits_to_be_sampled_free_every_block(llm):
+    """Async: a constrained step is sampled in the next step, after that step's inputs are built; requests
+    aborted while it waits free their blocks, the others' greedy tokens are the synchronous engine's."""
+    fast = make_llm(max_model_len=512, async_scheduling=True)
+    eng = fast.engine
+    prompts = [*PROMPTS[:3], "The year is"]
+    params = [SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=Spec(json_object=True)),
+              SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=Spec(regex=r" [a-z ]{1,40}\.")),
+              SamplingParams(max_tokens=20, temperature=0.0),
+              SamplingParams(max_tokens=20, temperature=0.0, structured_outputs=Spec(json=SCHEMA))]
+    want = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    ids = [f"c{i}" for i in range(len(prompts))]
+    for rid, prompt, sp in zip(ids, prompts, params, strict=True):
+        eng.add_request(rid, prompt, sp)
+    toks: dict[str, list[int]] = {rid: [] for rid in ids}
+    aborted = {"c1", "c2"}
+    steps = 0
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            toks[out.request_id] += out.outputs[0].token_ids if out.outputs else []
+        steps += 1
+        if steps == 5:  # mid-decode, the step just scheduled waits for its masks
+            assert eng._unsampled is not None
+            waiting = {s.request.request_id for _, s in eng._unsampled[0].rows}
+            assert aborted <= waiting
+            for rid in aborted:
+                assert eng.abort_request(rid) is not None
+    for i, rid in enumerate(ids):
+        if rid not in aborted:
+            assert toks[rid] == want[i], rid
+    assert_no_leak(eng)
 
 
 @pytest.mark.parametrize("spec", [Spec(json='{"type": "nonsense"}'), Spec(regex="(unclosed"),
