@@ -181,6 +181,11 @@ class Scheduler:
     def num_swapped(self) -> int:
         return len(self.swapped)
 
+    @property
+    def num_requests(self) -> int:
+        """Every request held: running, waiting and swapped."""
+        return len(self.running) + len(self.waiting) + len(self.swapped)
+
     def has_work(self) -> bool:
         return bool(self.running or self.waiting or self.swapped)
 

@@ -256,8 +256,7 @@ class LLMEngine:
         other's forward, as pipeline parallelism's micro-batches do; otherwise no cap."""
         if self.spec is None or not self.async_scheduling:
             return None
-        sched = self.scheduler
-        return max(1, -(-(sched.num_running + sched.num_waiting + sched.num_swapped) // 2))
+        return max(1, -(-self.scheduler.num_requests // 2))
 
     def _speculative_step(self, launched: LaunchedStep, index: list[int] | None,
                           prev: LaunchedStep | None) -> list[RequestOutput]:

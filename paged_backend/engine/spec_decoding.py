@@ -37,12 +37,13 @@ RowLogprob = tuple[float, LogprobsDict | None] | None  # an emitted token's raw 
 @dataclass
 class SpecDecodeStats:
     """vLLM's spec_decode counters: verified draft sequences, draft tokens, accepted tokens (also
-    per draft position)."""
+    per draft position); and the proposal rounds skipped by ``disable_by_batch_size``."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    num_disabled_steps: int = 0
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         self.num_drafts += 1
@@ -55,10 +56,12 @@ class SpecDecodeStats:
             per_pos[j] += 1
 
     def snapshot(self) -> dict[str, int | list[int]]:
-        """The counters under engine.stats()' keys (the adapters' spec_decode metrics)."""
+        """The counters under engine.stats()' keys (the adapters' spec_decode metrics: all but the disabled
+        steps, which vLLM does not publish)."""
         return {"spec_decode_num_drafts": self.num_drafts, "spec_decode_num_draft_tokens": self.num_draft_tokens,
                 "spec_decode_num_accepted_tokens": self.num_accepted_tokens,
-                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos)}
+                "spec_decode_num_accepted_tokens_per_pos": list(self.accepted_per_pos),
+                "spec_decode_num_disabled_steps": self.num_disabled_steps}
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -100,7 +103,7 @@ class SpecDecoder:
         the steps whose tokens were appended since the last call (the MTP pass covers their positions).
 
         A request whose step is still in flight (async scheduling) has more computed tokens than that, so it
-        is left alone until its tokens land."""
+        is left alone until its tokens land. Past ``disable_by_batch_size`` none gets drafts (``_disabled``)."""
         decoding = []
         for req in self.scheduler.running:
             if req.num_computed_tokens != len(req.all_token_ids) - 1 or not req.output_token_ids:
@@ -109,6 +112,11 @@ class SpecDecoder:
             if row is None or row[1].grammar is not None:
                 continue
             decoding.append(req)
+        if decoding and self._disabled():
+            self.stats.num_disabled_steps += 1
+            for req in decoding:  # the next step decodes them one token each
+                req.spec_token_ids = []
+            decoding = []  # an MTP pass still runs over the landed positions: its cache covers them
         if isinstance(self.draft, MTPProposer):
             self.draft.propose(decoding, self.scheduler.max_model_len, landed)
             return
@@ -119,6 +127,13 @@ class SpecDecoder:
         propose = self.ngram.propose
         for req in decoding:
             req.spec_token_ids = propose(req.all_token_ids)
+
+    def _disabled(self) -> bool:
+        """``disable_by_batch_size``: the scheduler holds more requests (running, waiting, swapped) than that.
+        A draft model keeps observing every step meanwhile, so its cache holds the positions decoded without
+        drafts when proposals resume."""
+        limit = self.config.disable_by_batch_size
+        return limit is not None and self.scheduler.num_requests > limit
 
     def verify(self, sched: SchedulerOutput, rows: list[Row], logits: torch.Tensor,
                index: list[int] | None) -> VerifiedStep:

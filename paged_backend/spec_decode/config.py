@@ -23,6 +23,11 @@ class SpeculativeConfig(BaseModel):
     engine loads it) propose greedily, reused in turn for more drafts than layers; vLLM's older names
     ``deepseek_mtp`` and ``glm4_moe_mtp`` are read as ``mtp``. Other vLLM methods (``eagle``, ``medusa``)
     are refused.
+
+    ``disable_by_batch_size`` (any method; None: never): no drafts are proposed after a step while the
+    scheduler holds more requests than this (running, waiting and swapped), so the next step is a plain
+    decode step; speculation resumes once the count falls back to it. A large batch's verification
+    passes (1 + k tokens a request) cost more than the accepted drafts save.
     """
 
     model_config = ConfigDict(extra="forbid", protected_namespaces=())
@@ -32,6 +37,7 @@ class SpeculativeConfig(BaseModel):
     model: str | None = None
     prompt_lookup_max: int | None = Field(None, ge=1)
     prompt_lookup_min: int | None = Field(None, ge=1)
+    disable_by_batch_size: int | None = Field(None, ge=1)
 
     @model_validator(mode="before")
     @classmethod

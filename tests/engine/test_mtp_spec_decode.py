@@ -221,6 +221,32 @@ def _check_formula_drafts_step_after_step(engine, ref: MTPReference) -> list[tup
     return passes
 
 
+def test_disable_by_batch_size_drafts_resume_with_the_formula_drafts(family, tmp_path) -> None:
+    """Speculation off above two requests: while three are held no request drafts (each step's MTP pass still
+    covers its positions); once the short one finishes, the others' drafts are ``MTPReference.drafts`` of their
+    tokens (the MTP cache holds the positions decoded without drafts) and the tokens are the plain engine's."""
+    path, expected = family
+    engine = tiny_llm(path, speculative_config={**MTP, "disable_by_batch_size": 2}).engine
+    ref = MTPReference(path, tmp_path)
+    lengths = (10, 10, 3)
+    for i, n in enumerate(lengths):
+        engine.add_request(str(i), PROMPTS[i], SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    tokens: list[list[int]] = [[] for _ in lengths]
+    checked = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[int(out.request_id)] += out.outputs[0].token_ids
+        held = engine.scheduler.num_requests > 2
+        for req in engine.scheduler.running:
+            assert not (held and req.spec_token_ids)
+            if len(req.spec_token_ids) == 2:
+                assert req.spec_token_ids == ref.drafts(req.all_token_ids, 2), req.request_id
+                checked += 1
+    assert tokens == [e[:n] for e, n in zip(expected, lengths, strict=False)]
+    assert checked >= 2 and engine.spec.stats.num_disabled_steps > 0
+    assert_no_leak(engine)
+
+
 @pytest.mark.parametrize("kw", [{}, {"max_num_batched_tokens": 16}, {"async_scheduling": True},
                                 {"max_num_batched_tokens": 16, "async_scheduling": True}],
                          ids=["batched", "chunked", "async", "async-chunked"])

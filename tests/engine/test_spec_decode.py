@@ -329,3 +329,49 @@ def test_draft_model_async_counters_equal_the_synchronous_engine():
     assert _counters(asyn.engine) == _counters(sync.engine)
     assert asyn.engine.num_async_steps > 0
     assert_no_leak(asyn.engine)
+
+
+# -- disable_by_batch_size: no drafts while the engine holds more requests, speculation resumes after ------
+
+DISABLE_AT = 2
+BATCH_PROMPTS = [COUNTING, PROMPTS[3], PROMPTS[0], PROMPTS[1]]
+# two requests run long, two stop early: four held, then two
+BATCH_PARAMS = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in (14, 14, 3, 3)]
+
+
+def _run_over_the_limit(spec: dict, async_: bool):
+    """The batch on an engine whose speculation stops above ``DISABLE_AT`` requests: after every step, while
+    more are held, no request holds drafts and none was verified. The LLM and each request's tokens."""
+    spec_llm_ = make_llm(speculative_config={**spec, "disable_by_batch_size": DISABLE_AT}, async_scheduling=async_)
+    engine = spec_llm_.engine
+    for i, (p, params) in enumerate(zip(BATCH_PROMPTS, BATCH_PARAMS, strict=True)):
+        engine.add_request(str(i), p, params)
+    tokens: list[list[int]] = [[] for _ in BATCH_PROMPTS]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            tokens[int(out.request_id)] += out.outputs[0].token_ids
+        if engine.scheduler.num_requests > DISABLE_AT:
+            assert engine.spec.stats.num_drafts == 0
+            assert not any(r.spec_token_ids for r in engine.scheduler.running)
+    stats = engine.get_stats()
+    assert stats["spec_decode_num_disabled_steps"] == engine.spec.stats.num_disabled_steps > 0
+    assert_no_leak(engine)
+    return spec_llm_, tokens
+
+
+@ASYNC
+def test_disable_by_batch_size_plain_steps_then_ngram_drafts_resume(llm, async_):
+    """N-gram drafts: plain decode steps while four requests are held, drafts verified once two are left; the
+    tokens are the plain engine's."""
+    spec, tokens = _run_over_the_limit(SPEC, async_)
+    assert tokens == _tokens(llm.generate(BATCH_PROMPTS, BATCH_PARAMS, use_tqdm=False))
+    _check_drafts_verified(spec)
+
+
+@ASYNC
+def test_disable_by_batch_size_draft_model_catches_up(llm, async_):
+    """SmolLM2 as its own draft: it computed every step's KV while speculation was off, so once two requests
+    are left all of its drafts are the target's tokens."""
+    spec, tokens = _run_over_the_limit(_draft_spec(), async_)
+    assert tokens == _tokens(llm.generate(BATCH_PROMPTS, BATCH_PARAMS, use_tqdm=False))
+    _all_accepted(spec)

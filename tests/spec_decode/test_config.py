@@ -28,10 +28,22 @@ def test_vllm_keys_and_lookup_defaults():
     {"num_speculative_tokens": 2, "method": "mtp", "model": "x"},
     {"num_speculative_tokens": 2, "method": "mtp", "prompt_lookup_min": 2},
     {"num_speculative_tokens": 2, "unknown_key": 1},
+    {"num_speculative_tokens": 2, "disable_by_batch_size": 0},
+    {"num_speculative_tokens": 2, "disable_by_batch_size": -4},
 ])
 def test_refused(bad):
     with pytest.raises(ValidationError):
         SpeculativeConfig(**bad)
+
+
+@pytest.mark.parametrize("method", [{}, {"model": "/d"}, {"method": "mtp"}])
+def test_disable_by_batch_size(method):
+    """Any method: None (the default) never disables speculation, 1 or more is the request count above which
+    it is off."""
+    assert SpeculativeConfig(num_speculative_tokens=2, **method).disable_by_batch_size is None
+    for n in (1, 64):
+        assert SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=n, **method).disable_by_batch_size == n
+    assert SpeculativeConfig(num_speculative_tokens=2, disable_by_batch_size=None).disable_by_batch_size is None
 
 
 def test_draft_model_keys():
@@ -67,10 +79,11 @@ def test_engine_config_and_the_cli_flag():
     assert EngineConfig().speculative_config is None
     p = argparse.ArgumentParser()
     add_engine_args(p)
-    args = p.parse_args(["--speculative-config",
-                         '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}'])
+    args = p.parse_args(["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 3, '
+                         '"prompt_lookup_max": 4, "disable_by_batch_size": 32}'])
     spec = engine_config_from_args(args).speculative_config
     assert (spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == (3, 4, 4)
+    assert spec.disable_by_batch_size == 32
     for bad in ("[1]", "{not json"):
         with pytest.raises(SystemExit):
             p.parse_args(["--speculative-config", bad])
