@@ -52,6 +52,7 @@ import torch
 from paged_backend.config import EngineConfig
 from paged_backend.engine.core_process import CoreOutputs, CoreStarted, run_engine_core, unpack_output
 from paged_backend.engine.frontend import EngineFrontEnd
+from paged_backend.engine.gc_heap import frozen_heap
 from paged_backend.engine.input_processor import InputProcessor, load_tokenizer
 from paged_backend.engine.request_state import PreparedRequest
 from paged_backend.engine.stats import STEP_TOKENS_KEPT, take_all
@@ -439,19 +440,24 @@ class EngineCoreClient(EngineFrontEnd):
                 return
 
     def _read_loop(self) -> None:
-        """Reader thread: each message is one engine step's outputs for every request."""
+        """Reader thread: each message is one engine step's outputs for every request.
+
+        While it reads, the serving process's start-up heap (the server, torch, the tokenizer) is frozen
+        (``frozen_heap``), as the in-process engine's loop thread freezes it: each step's deltas, chunks and
+        futures trigger collections, and a full one over that heap stalls every stream for hundreds of ms."""
         conn = self._conn
         reason = None
         try:
-            while True:
-                try:
-                    msg: CoreOutputs = conn.recv()
-                except (EOFError, OSError):
-                    break
-                self._on_outputs(msg)
-                if msg.dead is not None:
-                    reason = msg.dead
-                    break
+            with frozen_heap():
+                while True:
+                    try:
+                        msg: CoreOutputs = conn.recv()
+                    except (EOFError, OSError):
+                        break
+                    self._on_outputs(msg)
+                    if msg.dead is not None:
+                        reason = msg.dead
+                        break
         except BaseException as exc:  # a bug here must not leave the streams hanging
             logger.exception("engine core reader died")
             reason = f"the engine core reader died: {exc!r}"
@@ -476,11 +482,13 @@ class EngineCoreClient(EngineFrontEnd):
             prompts.pop(rid, None)
             self._deliver_error(rid, exc)
         if msg.outputs:
-            outputs = [unpack_output(o) for o in msg.outputs]
-            for out in outputs:
+            outputs = []
+            for item in msg.outputs:
+                out = unpack_output(item)
                 prompt = prompts.pop(out.request_id, None) if out.finished else prompts.get(out.request_id)
                 if prompt is not None:
                     out.prompt, out.prompt_token_ids = prompt
+                outputs.append(out)
             self._deliver(outputs)
         for ack, value in msg.acks:
             with self._lock:

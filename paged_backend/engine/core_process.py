@@ -98,10 +98,11 @@ WireOutput = RequestOutput | tuple
 def pack_output(out: RequestOutput) -> WireOutput:
     """``out`` as it crosses the pipe: a plain delta as a tuple (``unpack_output`` rebuilds it), else itself.
     The prompt and its token ids are left out (the front end adds them back)."""
-    if (out.finished or len(out.outputs) != 1 or out.prompt_logprobs is not None or out.metrics is not None
+    outs = out.outputs
+    if (out.finished or len(outs) != 1 or out.prompt_logprobs is not None or out.metrics is not None
             or out.prompt_logprob_ranks is not None):
         return out
-    c = out.outputs[0]
+    c = outs[0]
     if c.logprobs is not None or c.finish_reason is not None or c.stop_reason is not None \
             or c.cumulative_logprob is not None:
         return out
@@ -115,8 +116,11 @@ def unpack_output(item: WireOutput) -> RequestOutput:
     if not isinstance(item, tuple):
         return item
     rid, index, text, token_ids, num_output_tokens, prompt_tokens, completion_tokens, cached_tokens, times = item
-    return RequestOutput(rid, None, [], [CompletionOutput(index, text, token_ids, num_output_tokens=num_output_tokens)],
-                         False, Usage(prompt_tokens, completion_tokens, cached_tokens), step_times=times)
+    # positional (every delta of every step): CompletionOutput(index, text, token_ids, logprobs, finish_reason,
+    # stop_reason, cumulative_logprob, num_output_tokens), RequestOutput(.., usage, prompt_logprobs, step_times)
+    return RequestOutput(rid, None, [], [CompletionOutput(index, text, token_ids, None, None, None, None,
+                                                          num_output_tokens)],
+                         False, Usage(prompt_tokens, completion_tokens, cached_tokens), None, times)
 
 
 def merge_outputs(into: CoreOutputs, later: CoreOutputs) -> None:
@@ -462,17 +466,21 @@ class EngineCore:
     def _route(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs to their clients, under the front end's request ids."""
         clients = self.clients
+        by_prefix: dict[str, list | None] = {}  # "<client id>" -> that client's pending outputs (None: gone)
         for out in outputs:
             cid, _, rid = out.request_id.partition(":")
-            client = clients.get(int(cid))
-            if client is None:
+            pending = by_prefix.get(cid, False)
+            if pending is False:
+                client = clients.get(int(cid))
+                pending = by_prefix[cid] = None if client is None else client.pending.outputs
+            if pending is None:
                 continue
             if out.finished:
-                client.requests.discard(out.request_id)
+                clients[int(cid)].requests.discard(out.request_id)
             out.request_id = rid
             # the front end has them (it prepared the request): not pickled every step
             out.prompt, out.prompt_token_ids = None, []
-            client.pending.outputs.append(pack_output(out))
+            pending.append(pack_output(out))
 
     def _stats(self, joining: int | None = None) -> dict:
         """The engine's stats, the number of front ends (with ``joining``, one being adopted), and which one

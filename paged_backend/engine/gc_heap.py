@@ -11,6 +11,7 @@ usual. vLLM's engine core does the same after start-up.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -19,19 +20,35 @@ from contextlib import contextmanager
 _STARTUP_FROZEN = gc.get_freeze_count()
 
 
+# frozen_heap sections open now (engine loop threads, engine core readers; they may overlap in any order), and
+# whether the first of them found nothing frozen by the application: the last to end then unfreezes
+_lock = threading.Lock()
+_open = 0
+_ours = False
+
+
 @contextmanager
 def frozen_heap() -> Iterator[None]:
     """Freeze the current heap for the duration; unfreeze after unless the application had frozen
     objects since start-up (then theirs and ours stay frozen, as it chose).
 
+    Sections may overlap (two engines in one process, each loop or reader thread in one): the heap is
+    unfrozen when the last of them ends, whichever order they end in.
+
     Objects frozen at interpreter start-up are unfrozen with ours (Python has no per-object
     unfreeze): keeping them would keep everything frozen for good, and with it every engine
     a process deletes (its reference cycles are never collected).
     """
-    ours = gc.get_freeze_count() <= _STARTUP_FROZEN
-    gc.freeze()
+    global _open, _ours
+    with _lock:
+        if _open == 0:
+            _ours = gc.get_freeze_count() <= _STARTUP_FROZEN
+        _open += 1
+        gc.freeze()
     try:
         yield
     finally:
-        if ours:
-            gc.unfreeze()
+        with _lock:
+            _open -= 1
+            if _open == 0 and _ours:
+                gc.unfreeze()

@@ -4,6 +4,7 @@ the core's blocks at once, a killed core that fails every request within seconds
 from __future__ import annotations
 
 import asyncio
+import gc
 
 import psutil
 import pytest
@@ -158,6 +159,7 @@ def test_abort_frees_the_blocks_in_the_core_at_once(client):
 def test_shutdown_leaves_no_process(client):
     pid = client.pid
     assert pid in _core_children()
+    assert gc.get_freeze_count() > 0  # the serving process's heap, frozen while the reader runs
 
     async def main():
         stream = client.generate("cut", PROMPTS[0], LONG)
@@ -170,6 +172,7 @@ def test_shutdown_leaves_no_process(client):
     asyncio.run(main())
     assert not client.is_ready and not client.is_dead
     assert pid not in _core_children() and not _core_children()
+    assert gc.get_freeze_count() == 0  # given back with the reader
 
 
 def test_killed_core_fails_every_request_and_health():

@@ -8,7 +8,14 @@ import pickle
 
 import pytest
 
-from paged_backend.engine.core_process import CoreOutputs, merge_outputs, pack_output, unpack_output
+from paged_backend.engine.core_process import (
+    CoreClient,
+    CoreOutputs,
+    EngineCore,
+    merge_outputs,
+    pack_output,
+    unpack_output,
+)
 from paged_backend.outputs import CompletionOutput, RequestMetrics, RequestOutput, Usage
 
 
@@ -66,3 +73,21 @@ def test_merged_messages_keep_each_request_s_outputs_in_order() -> None:
     assert [o.prompt_logprobs is not None for o in got] == [True, False, False]
     assert [o.outputs[0].token_ids for o in got] == [[11, 12], [13], [11, 12]]
     assert [o.finished for o in got] == [False, False, True]
+
+
+def test_a_step_s_outputs_go_to_their_clients_in_order() -> None:
+    """Interleaved clients' outputs: each client gets its own, in step order, under its own ids; a gone
+    client's outputs are dropped; a finished request leaves its client's set."""
+    core = EngineCore(None)  # type: ignore[arg-type]  # routing needs no engine
+    a, b = CoreClient(0, None), CoreClient(1, None)  # type: ignore[arg-type]
+    core.clients = {0: a, 1: b}
+    a.requests, b.requests = {"0:x", "0:y"}, {"1:x"}
+    outs = [_delta(request_id="0:x"), _delta(request_id="1:x", token_ids=[5]), _delta(request_id="7:x"),
+            _delta(request_id="0:y", finished=True), _delta(request_id="0:x", token_ids=[6])]
+    core._route(outs)
+    got_a = [unpack_output(o) for o in a.pending.outputs]
+    got_b = [unpack_output(o) for o in b.pending.outputs]
+    assert [(o.request_id, o.outputs[0].token_ids, o.finished) for o in got_a] == [
+        ("x", [11, 12], False), ("y", [11, 12], True), ("x", [6], False)]
+    assert [(o.request_id, o.outputs[0].token_ids) for o in got_b] == [("x", [5])]
+    assert a.requests == {"0:x"} and b.requests == {"1:x"}

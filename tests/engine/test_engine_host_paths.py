@@ -182,6 +182,18 @@ def test_frozen_heap_is_given_back():
         gc.unfreeze()
 
 
+def test_overlapping_frozen_heaps_give_it_back_after_the_last():
+    """Two engines' sections (loop threads, core readers) that end in the order they began: the heap stays
+    frozen while one is open, and is given back after the last."""
+    first, second = frozen_heap(), frozen_heap()
+    first.__enter__()
+    second.__enter__()
+    first.__exit__(None, None, None)
+    assert gc.get_freeze_count() > 0
+    second.__exit__(None, None, None)
+    assert gc.get_freeze_count() == 0
+
+
 def test_frozen_heap_ignores_objects_frozen_at_start_up(monkeypatch: pytest.MonkeyPatch):
     """Some Pythons start with a few objects frozen: the engine's freeze must still end."""
     import paged_backend.engine.gc_heap as gc_heap
