@@ -466,21 +466,18 @@ class EngineCore:
     def _route(self, outputs: list[RequestOutput]) -> None:
         """A step's outputs to their clients, under the front end's request ids."""
         clients = self.clients
-        by_prefix: dict[str, list | None] = {}  # "<client id>" -> that client's pending outputs (None: gone)
+        seen: dict[str, CoreClient | None] = {}  # "<client id>" -> its client (None: gone), looked up once a step
         for out in outputs:
             cid, _, rid = out.request_id.partition(":")
-            pending = by_prefix.get(cid, False)
-            if pending is False:
-                client = clients.get(int(cid))
-                pending = by_prefix[cid] = None if client is None else client.pending.outputs
-            if pending is None:
+            client = seen[cid] if cid in seen else seen.setdefault(cid, clients.get(int(cid)))
+            if client is None:
                 continue
             if out.finished:
-                clients[int(cid)].requests.discard(out.request_id)
+                client.requests.discard(out.request_id)
             out.request_id = rid
             # the front end has them (it prepared the request): not pickled every step
             out.prompt, out.prompt_token_ids = None, []
-            pending.append(pack_output(out))
+            client.pending.outputs.append(pack_output(out))
 
     def _stats(self, joining: int | None = None) -> dict:
         """The engine's stats, the number of front ends (with ``joining``, one being adopted), and which one

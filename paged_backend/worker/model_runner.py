@@ -33,7 +33,7 @@ from paged_backend.worker.cuda_graphs import DecodeGraphs
 from paged_backend.worker.host_kv_tier import HostKVTier
 from paged_backend.worker.model_loader import load_model
 from paged_backend.worker.runner import ModelOutput
-from paged_backend.worker.step_inputs import PendingTokens, StepInputBuilder, StepInputs, sampled_tokens
+from paged_backend.worker.step_inputs import PendingTokens, StepInputBuilder, StepInputs
 
 if TYPE_CHECKING:
     from paged_backend.distributed import PPStage, TPGroup
@@ -312,8 +312,6 @@ class ModelRunner:
         if bucket is not None:
             step = builder.build(sched, pad_to=bucket, max_seq_len_bound=self.limits.max_model_len,
                                  sliding_window=window, prev=prev, pad_query_len=q)
-            if prev is not None:  # the step before is sampled before this forward, also without placeholders
-                sampled_tokens(prev)
             hidden = self.graphs.replay(bucket, q)
             rows = step.row_index
             if rows is not None:  # a spread step: the real tokens' rows, in step order
@@ -325,8 +323,6 @@ class ModelRunner:
         else:
             self.step_counts["eager"] += 1
             step = builder.build(sched, sliding_window=window, prev=prev)
-            if prev is not None:
-                sampled_tokens(prev)
             hidden = self._forward(step)
         return step, hidden
 

@@ -170,14 +170,17 @@ class StepInputBuilder:
             if pad_to > s_count:
                 self._pad(s_count, pad_to, q)
         self._upload(n_tok, n_seqs, max_blocks)
+        # pending ids are asked for here, after the upload, also without placeholders: the step before is
+        # sampled before this step's forward either way
+        tokens = sampled_tokens(prev) if prev is not None else None
         n_ph = len(ph_rows)
         if n_ph:
-            assert prev is not None
+            assert tokens is not None
             src = self._ph_src[:n_ph]
             if self._ph_src is not self._h_ph_src:
                 src.copy_(self._h_ph_src[:n_ph], non_blocking=True)
                 self._ph_rows[:n_ph].copy_(self._h_ph_rows[:n_ph], non_blocking=True)
-            self.ids.index_copy_(0, self._ph_rows[:n_ph], sampled_tokens(prev).index_select(0, src))
+            self.ids.index_copy_(0, self._ph_rows[:n_ph], tokens.index_select(0, src))
         if row_index is not None and self._row_index is not self._h_row_index:
             row_index.copy_(self._h_row_index[:num_tokens], non_blocking=True)
         if self.device.type == "cuda":
