@@ -14,7 +14,7 @@ landed, so each matcher has seen every token of its sample (also under async sch
 sample's row (async scheduling gives it one more row, whose token is dropped) and a terminated grammar
 are left unmasked. Logprobs then describe the masked distribution, as vLLM's do. A step fills its masks
 with xgrammar's BatchGrammarMatcher on ``FILL_THREADS`` threads (the host's per-row work is what a
-constrained step adds at small models), into pinned buffers whose copies to the device do not wait for the
+constrained step adds at small models; a decode step's accepts go in chunks over ``ACCEPT_THREADS``), into pinned buffers whose copies to the device do not wait for the
 stream (``PINNED_STAGING``). Under async scheduling the engine fills them ahead (``fill_masks_ahead``): as
 soon as a step's sampled ids reach the host, the matchers take them and the mask thread fills the next
 step's masks while the engine thread processes the step's outputs; the sampling launch then only copies
@@ -146,6 +146,8 @@ _staging: dict[torch.device, _MaskStaging] = {}
 
 
 FILL_THREADS = 4  # 0: one matcher after another; n: xgrammar's BatchGrammarMatcher on n threads (and batch accepts)
+ACCEPT_THREADS = 4  # a decode step's batch accept split over at most this many threads (xgrammar's is serial)
+ACCEPT_CHUNK_ROWS = 16  # rows a thread takes at the least
 PINNED_STAGING = True  # CUDA: masks staged in reused pinned buffers; False: a fresh pageable buffer each step
 
 
@@ -161,6 +163,28 @@ def _mask_thread() -> ThreadPoolExecutor:
     return ThreadPoolExecutor(1, thread_name_prefix="paged-backend-masks")
 
 
+@functools.cache
+def _accept_pool(workers: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(workers, thread_name_prefix="paged-backend-accepts")
+
+
+def _batch_accept(matchers: list[Any], tokens: list[int]) -> list[bool]:
+    """xgrammar's batch accept of one token each, in up to ``ACCEPT_THREADS`` chunks at once: the calls release
+    the GIL, so the chunks run in parallel (the caller takes the first)."""
+    import xgrammar as xgr
+
+    accept = xgr.BatchGrammarMatcher.batch_accept_token
+    n = len(matchers)
+    chunks = min(ACCEPT_THREADS, n // ACCEPT_CHUNK_ROWS)
+    if chunks <= 1:
+        return accept(matchers, tokens)
+    cut = [n * i // chunks for i in range(chunks + 1)]
+    pool = _accept_pool(ACCEPT_THREADS - 1)
+    rest = [pool.submit(accept, matchers[a:b], tokens[a:b]) for a, b in zip(cut[1:-1], cut[2:], strict=True)]
+    first = accept(matchers[: cut[1]], tokens[: cut[1]])
+    return first + [ok for f in rest for ok in f.result()]
+
+
 @dataclass
 class StagedMasks:
     """A step's filled masks, packed: ``mask`` row i belongs to logits row ``rows_of[i]``."""
@@ -173,16 +197,14 @@ class StagedMasks:
 
 def accept_all(pending: Sequence[tuple[RequestGrammar, Sequence[int]]]) -> None:
     """Each grammar takes its new tokens; one token each (a decode step) goes through xgrammar's batch
-    accept, one call for all of them."""
+    accept (``_batch_accept``)."""
     if not (FILL_THREADS and len(pending) > 1 and all(len(t) == 1 for _, t in pending)):
         for grammar, tokens in pending:
             grammar.accept(tokens)
         return
-    import xgrammar as xgr
-
     live = [(g, int(t[0])) for g, t in pending if g.constrains]
     if live:
-        ok = xgr.BatchGrammarMatcher.batch_accept_token([g._matcher for g, _ in live], [t for _, t in live])
+        ok = _batch_accept([g._matcher for g, _ in live], [t for _, t in live])
         for (grammar, _), good in zip(live, ok, strict=True):
             if not good:
                 grammar.broken = True

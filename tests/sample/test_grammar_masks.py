@@ -68,3 +68,41 @@ def test_masks_filled_ahead_equal_the_masks_filled_at_once_and_the_fill_has_star
         masks.append(staged.mask[: len(texts)].clone())
     assert torch.equal(masks[0], masks[1])
     assert bool((masks[0] != -1).any()), "the grammars should forbid some tokens"
+
+
+def test_batch_accepts_split_over_threads_equal_accepts_one_by_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decode step's accepts in four chunks on the accept threads leave every grammar where accepting its
+    tokens one by one leaves it: the same masks next, the same rows broken by a token outside the grammar."""
+    import paged_backend.sample.grammar as grammar_mod
+
+    monkeypatch.setattr(grammar_mod, "ACCEPT_CHUNK_ROWS", 3)
+    monkeypatch.setattr(grammar_mod, "ACCEPT_THREADS", 4)
+    chunks: list[int] = []
+    real = grammar_mod._accept_pool
+
+    def counting_pool(workers: int):
+        pool = real(workers)
+        chunks.append(workers)
+        return pool
+
+    monkeypatch.setattr(grammar_mod, "_accept_pool", counting_pool)
+    tok = tokenizer()
+    vocab = len(tok)
+    compiled = GrammarCompiler(tok, vocab, [tok.eos_token_id]).compile(StructuredOutputsParams(json=SCHEMA))
+    good = ['{"name": "abc", "n": 12}', '{"name": "x y z", "n": 3}', '{"name": "q", "n": 7}']
+    texts = ['{"n": 1}' if i in (1, 11) else good[i % 3] for i in range(16)]  # rows 1 and 11 break
+    ids = [tok.encode(t) for t in texts]
+    steps = min(len(i) for i in ids)
+    split = [RequestGrammar(compiled) for _ in texts]
+    alone = [RequestGrammar(compiled) for _ in texts]
+    for step in range(steps):
+        grammar_mod.accept_all([(g, [i[step]]) for g, i in zip(split, ids, strict=True)])
+        for g, i in zip(alone, ids, strict=True):
+            g.accept([i[step]])
+        assert [g.broken for g in split] == [g.broken for g in alone]
+        assert [g.accepted for g in split] == [step + 1] * len(texts)
+        for a, b in zip(split, alone, strict=True):
+            if b.constrains:
+                assert torch.equal(_allowed(a, vocab), _allowed(b, vocab))
+    assert chunks, "the accepts should have been split over the accept threads"
+    assert any(g.broken for g in alone) and not all(g.broken for g in alone), "some rows should break, not all"
