@@ -14,11 +14,11 @@ landed, so each matcher has seen every token of its sample (also under async sch
 sample's row (async scheduling gives it one more row, whose token is dropped) and a terminated grammar
 are left unmasked. Logprobs then describe the masked distribution, as vLLM's do. A step fills its masks
 with xgrammar's BatchGrammarMatcher on ``FILL_THREADS`` threads (the host's per-row work is what a
-constrained step adds at small models; a decode step's accepts go in chunks over ``ACCEPT_THREADS``), into pinned buffers whose copies to the device do not wait for the
-stream (``PINNED_STAGING``). Under async scheduling the engine fills them ahead (``fill_masks_ahead``): as
-soon as a step's sampled ids reach the host, the matchers take them and the mask thread fills the next
-step's masks while the engine thread processes the step's outputs; the sampling launch then only copies
-and applies them (``apply_masks``).
+constrained step adds at small models; a decode step's accepts go in chunks over ``ACCEPT_THREADS``),
+into pinned buffers whose copies to the device do not wait for the stream (``PINNED_STAGING``). Under
+async scheduling the engine fills them ahead (``fill_masks_ahead``): as soon as a step's sampled ids reach
+the host, the matchers take them and the mask thread fills the next step's masks while the engine thread
+processes the step's outputs; the sampling launch then only copies and applies them (``apply_masks``).
 """
 
 from __future__ import annotations
