@@ -5,7 +5,8 @@ together (``--output-len`` tokens each, EOS ignored) by two engines built one af
 the same arguments: the baseline (no speculation, the engine's default scheduling) and the one with
 ``--speculative-config``. A row per engine and batch size gives output tok/s, the speed-up over the
 baseline, the draft counters (drafts, draft tokens, accepted tokens, acceptance rate, mean
-acceptance length: tokens emitted per verified draft sequence) and, under greedy sampling, how many
+acceptance length: tokens emitted per verified draft sequence; steps run without drafts because more
+requests than ``disable_by_batch_size`` were in the scheduler) and, under greedy sampling, how many
 of the B outputs equal the baseline's token for token (speculation must not change greedy output;
 in bf16 a verification pass over several query tokens may round differently from one-token decode
 steps, so a rare divergence late in a sequence is numerics, not a wrong acceptance).
@@ -27,7 +28,8 @@ from typing import Any
 
 from paged_backend.benchmarks.model_shapes import add_model_shapes_args, model_shapes_overrides
 
-SPEC_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+SPEC_KEYS = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+             "spec_decode_num_disabled_steps")
 
 
 def spec_prompts(batch: int, input_len: int, vocab: int, workload: str = "random", period: int = 32,
@@ -93,8 +95,8 @@ def _rows_for(llm, label: str, batches: list[int], args: argparse.Namespace) -> 
         row: dict[str, Any] = {"engine": label, "batch": b, "output_tokens": n_out, "elapsed_s": round(dt, 3),
                                "output_tok_s": round(n_out / dt, 1)}
         d = {k: after.get(k, 0) - before.get(k, 0) for k in SPEC_KEYS}
-        drafts, draft_tokens, accepted = (d[k] for k in SPEC_KEYS)
-        row.update(drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted,
+        drafts, draft_tokens, accepted, disabled = (d[k] for k in SPEC_KEYS)
+        row.update(drafts=drafts, draft_tokens=draft_tokens, accepted_tokens=accepted, disabled_steps=disabled,
                    acceptance_rate=round(accepted / draft_tokens, 4) if draft_tokens else None,
                    mean_acceptance_length=round(1 + accepted / drafts, 3) if drafts else None)
         rows.append(row)
@@ -113,7 +115,7 @@ def _build(args: argparse.Namespace, speculative: bool):
 
 def print_spec_table(rows: list[dict[str, Any]]) -> None:
     cols = ("engine", "batch", "output_tok_s", "speedup", "acceptance_rate", "mean_acceptance_length",
-            "greedy_equal")
+            "disabled_steps", "greedy_equal")
     table = [[str(r.get(c, "") if r.get(c) is not None else "-") for c in cols] for r in rows]
     widths = [max(len(c), *(len(t[i]) for t in table)) for i, c in enumerate(cols)]
     print("  ".join(c.rjust(w) for c, w in zip(cols, widths, strict=True)))

@@ -52,3 +52,22 @@ def test_command_compares_speculation_with_the_baseline(method, tmp_path, tmp_pa
         if method == "draft_model":  # the target's own weights draft: every draft token is accepted
             assert fast["acceptance_rate"] == 1.0
             assert fast["mean_acceptance_length"] == round(1 + fast["accepted_tokens"] / fast["drafts"], 3)
+
+
+def test_command_reports_the_steps_run_without_drafts(tmp_path, tmp_path_factory, capsys):
+    """Over ``disable_by_batch_size`` the rows count the steps that ran without drafts: none at batch 1,
+    each of the 11 decode steps at batch 3 (its requests finish together), which then drafts nothing."""
+    tiny = write_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    out = tmp_path / "rows.jsonl"
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+            "disable_by_batch_size": 2}
+    assert main(["bench", "spec-decode", "--model", str(tiny), "--load-format", "dummy", "--dtype", "float32",
+                 "--device", "cpu", "--batch-sizes", "1,3", "--input-len", "24", "--output-len", "12",
+                 "--repeat-period", "6", "--speculative-config", json.dumps(spec), "--json", str(out)]) == 0
+    assert "disabled_steps" in capsys.readouterr().out
+    rows = {(r["engine"], r["batch"]): r for r in map(json.loads, out.read_text().splitlines())}
+    assert rows[("no speculation", 1)]["disabled_steps"] == rows[("no speculation", 3)]["disabled_steps"] == 0
+    assert rows[("speculative (ngram)", 1)]["disabled_steps"] == 0 and rows[("speculative (ngram)", 1)]["drafts"] > 0
+    batch3 = rows[("speculative (ngram)", 3)]
+    assert batch3["disabled_steps"] == 11 and batch3["drafts"] == 0  # 12 tokens: the prefill step, 11 decode steps
+    assert batch3["greedy_equal"] == "3/3"
