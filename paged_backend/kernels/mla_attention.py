@@ -18,7 +18,8 @@ row's blocks over ``splits`` programs (``pick_splits``: two programs per SM); ea
 fp32 sum and its running max and denominator, and ``_mla_merge_kernel`` combines them by log-sum-exp.
 
 Steps with a prompt chunk (``max_query_len`` > 1) run ``_mla_prefill_kernel`` instead: one program per
-(ROWS consecutive rows of one request, BLOCK_H heads), its ROWS * BLOCK_H query rows sharing each key read,
+(ROWS consecutive rows of one request, BLOCK_H heads; ``q_tiles``' ragged grid, so a step's decode rows beside
+a long chunk cost one program each), its ROWS * BLOCK_H query rows sharing each key read,
 BLOCK_N keys a step gathered across cache blocks, causal per row (``prefill_tile_for``). The absorbed form
 costs (DV + DR + DV) / (qk_nope + qk_rope + v) ~ 3.4x the FLOPs of attention over decompressed per-head
 K/V (DeepSeek's dims); it reads no more than the latent cache. DV and DR must be powers of two >= 16 (``supported``);
@@ -36,6 +37,7 @@ import triton.language as tl
 
 from paged_backend.kernels._launch import dot_dtype, interpreting, next_pow2
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
+from paged_backend.kernels.q_tiles import q_tile_of, ragged_grid
 
 
 def supported(v_dim: int, rope_dim: int) -> bool:
@@ -173,7 +175,7 @@ def _mla_attention_kernel(
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
 
 
-@triton.jit(do_not_specialize=["H", "tiles_per_req"])
+@triton.jit(do_not_specialize=["H", "num_seqs"])
 def _mla_prefill_kernel(
     q_ptr,  # [T, H, DV + DR]
     cache_ptr,  # [num_blocks, BLOCK_SIZE, DV + DR]
@@ -183,7 +185,7 @@ def _mla_prefill_kernel(
     scale_ptr,  # float32 [] kv_scale
     out_ptr,  # [T, H, DV]
     H,
-    tiles_per_req,  # cdiv(max_query_len, ROWS): program p takes rows tile * ROWS.. of request p // tiles_per_req
+    num_seqs,
     sm_scale,
     stride_qt,
     stride_qh,
@@ -201,14 +203,12 @@ def _mla_prefill_kernel(
     IEEE: tl.constexpr,
 ):
     """Steps with prompt chunks: ROWS consecutive rows of one request x BLOCK_H heads a program, so each key
-    read serves ROWS * BLOCK_H query rows (row r, head h at MMA row r * BLOCK_H + h); causal per row."""
-    pid = tl.program_id(0)
-    req = pid // tiles_per_req
-    tile = pid % tiles_per_req
-    q0 = tl.load(qsl_ptr + req)
-    qlen = tl.load(qsl_ptr + req + 1) - q0
+    read serves ROWS * BLOCK_H query rows (row r, head h at MMA row r * BLOCK_H + h); causal per row. Programs
+    find their request and tile in the ragged grid (``q_tiles``), the last tiles (the most keys) first."""
+    pid = tl.num_programs(0) - 1 - tl.program_id(0)
+    req, q0, qlen, tile = q_tile_of(qsl_ptr, num_seqs, pid, ROWS)
     if tile * ROWS >= qlen:
-        return  # past this request's rows (the grid is sized for the longest)
+        return  # past this request's rows (the grid has room for every request's last, partial tile)
     ctx = tl.load(seq_lens_ptr + req) - qlen
     M: tl.constexpr = ROWS * BLOCK_H
     m = tl.arange(0, M)
@@ -302,9 +302,9 @@ def mla_attention(
     dots = mla_dot_dtype(q.dtype, latent_cache.dtype, block_h) if fp8_fp16_dots else dot_dtype(q.dtype)
     if max_query_len is not None and max_query_len > 1:
         rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
-        tiles = triton.cdiv(max_query_len, rows_per)
-        _mla_prefill_kernel[(seq_lens.shape[0] * tiles, triton.cdiv(h, block_h))](
-            q, latent_cache, block_tables, seq_lens, query_start_loc, kv_scale, out, h, tiles, scale,
+        num_seqs = seq_lens.shape[0]
+        _mla_prefill_kernel[(ragged_grid(t, num_seqs, rows_per), triton.cdiv(h, block_h))](
+            q, latent_cache, block_tables, seq_lens, query_start_loc, kv_scale, out, h, num_seqs, scale,
             q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, BLOCK_H=block_h, ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
             DOT_DTYPE=dots, IEEE=q.dtype == torch.float32,

@@ -68,6 +68,7 @@ from paged_backend.kernels._launch import (
     scale_tensor,
 )
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+from paged_backend.kernels.q_tiles import q_tile_of, ragged_grid
 
 try:  # programmatic dependent launch (Triton >= 3.3); without it ``pdl`` configs run as plain launches
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
@@ -368,19 +369,8 @@ def _paged_attention_kernel(
         q_tile = 0
         if q_len == 0:
             return
-    else:
-        # Request of this q tile: largest i with qsl[i] // BLOCK_Q + i <= pid (strictly increasing in i).
-        lo = pid * 0
-        hi = num_seqs - 1
-        while lo < hi:
-            mid = (lo + hi + 1) // 2
-            start_mid = tl.load(qsl_ptr + mid) // BLOCK_Q + mid
-            lo = tl.where(start_mid <= pid, mid, lo)
-            hi = tl.where(start_mid <= pid, hi, mid - 1)
-        seq = lo
-        q_start = tl.load(qsl_ptr + seq)
-        q_len = tl.load(qsl_ptr + seq + 1) - q_start
-        q_tile = pid - (q_start // BLOCK_Q + seq)
+    else:  # the request of this q tile in the ragged grid (``q_tiles``)
+        seq, q_start, q_len, q_tile = q_tile_of(qsl_ptr, num_seqs, pid, BLOCK_Q)
         if q_tile * BLOCK_Q >= q_len:
             return
     seq_len = tl.load(seq_lens_ptr + seq)
@@ -774,7 +764,7 @@ def launch_plan(
     block_q = cfg.block_m // group
     decode_only = max_query_len <= 1
     if num_splits is None:
-        grid_q = num_seqs if decode_only else num_tokens // block_q + num_seqs
+        grid_q = num_seqs if decode_only else ragged_grid(num_tokens, num_seqs, block_q)
         busy = min(grid_q, num_seqs * triton.cdiv(max(max_query_len, 1), block_q))  # programs not exiting
         num_splits = pick_num_splits(busy * num_kv_heads, max_seq_len, cfg.tile_n, sms, cfg.programs_per_sm)
     if num_splits < 1:
@@ -891,7 +881,7 @@ def paged_attention(
         smem_budget=_smem_budget(device), sms=device_sms(device),
         config=config, num_splits=num_splits)
     block_q = cfg.block_m // group
-    grid_q = num_seqs if decode_only else t // block_q + num_seqs
+    grid_q = num_seqs if decode_only else ragged_grid(t, num_seqs, block_q)
 
     kc, vc = kv_cache[0], kv_cache[1]
     if kc.stride(-1) != 1 or query.stride(-1) != 1 or out.stride(-1) != 1:

@@ -158,6 +158,21 @@ def test_prefill_tiles_match_the_reference(tile, dtype):
         assert not got.isnan().any() and _rel(got, want) < (1e-5 if dtype == torch.float32 else 2e-2)
 
 
+def test_a_long_chunk_beside_many_decode_rows_matches_the_reference():
+    """A step of 24 decode rows and one 40-row chunk (the prefill kernel's ragged grid: one program a decode
+    row, not one per tile of the longest request), e4m3 latents too."""
+    seqs = [(10 + 2 * i, 1, [3 * i + 1, 3 * i + 2, 3 * i + 3]) for i in range(12)]  # up to 33 tokens
+    seqs += [(8, 40, [40, 41, 42])] + [(3 + i, 1, [50 + i]) for i in range(12)]
+    for fp8 in (False, True):
+        q, latent, meta, cache, scale = _step(seqs, 16, 32, 16, torch.float32, fp8=fp8, seed=7)
+        ref_cache = cache.clone()
+        write_latent_cache(latent, cache, meta.slot_mapping, scale)
+        got = mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 32, scale,
+                            max_query_len=40, prefill_tile=(4, 16))
+        want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 32, scale)
+        assert not got.isnan().any() and _rel(got, want) < 1e-5
+
+
 def test_pick_splits_fills_the_gpu_and_keeps_splits_long():
     assert pick_splits(8, 256, 132) == 32  # 8 rows x 4k context: 33 -> 32 splits of 8 blocks
     assert pick_splits(300, 256, 132) == 1  # enough rows already
