@@ -469,7 +469,9 @@ class EngineCore:
         seen: dict[str, CoreClient | None] = {}  # "<client id>" -> its client (None: gone), looked up once a step
         for out in outputs:
             cid, _, rid = out.request_id.partition(":")
-            client = seen[cid] if cid in seen else seen.setdefault(cid, clients.get(int(cid)))
+            if cid not in seen:
+                seen[cid] = clients.get(int(cid))
+            client = seen[cid]
             if client is None:
                 continue
             if out.finished:

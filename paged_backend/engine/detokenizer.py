@@ -35,7 +35,7 @@ class IncrementalDetokenizer:
         if not self._stops:
             return None
         window = self._tail + piece
-        self._tail = window[len(window) - self._hold:] if self._hold else ""
+        self._tail = window[-self._hold:] if self._hold else ""
         hits = [(at, stop) for stop in self._stops if (at := window.find(stop)) >= 0]
         if not hits:
             return None
