@@ -36,6 +36,7 @@ import triton
 import triton.language as tl
 
 from paged_backend.kernels._launch import dot_dtype, interpreting, next_pow2
+from paged_backend.kernels.e4m3_pairs import e4m3_pairs
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 from paged_backend.kernels.q_tiles import q_tile_of, ragged_grid
 
@@ -111,6 +112,53 @@ def _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok, visible, qk_
     return m_new, l_i, acc
 
 
+@triton.jit
+def _key_step_pairs(q_a, q_b, qr_a, qr_b, cache_ptr, table, stride_cb, keys, k_ok, visible, qk_scale, m_i, l_i,
+                    acc_a, acc_b, BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr,
+                    DOT_DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """``_key_step`` over an e4m3 cache read as int16 words (``cache_ptr`` int16, ``stride_cb`` in words):
+    ``e4m3_pairs`` splits each latent into its even (a) and odd (b) dims, the queries come split the same way,
+    and the even and odd output dims accumulate apart (``acc_a``, ``acc_b``)."""
+    block = tl.load(table + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    base = cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * ((DV + DR) // 2)
+    jv = tl.arange(0, DV // 2)
+    jr = tl.arange(0, DR // 2)
+    k_a, k_b = e4m3_pairs(tl.load(base + jv[None, :], mask=k_ok[:, None], other=0), ASM)
+    r_a, r_b = e4m3_pairs(tl.load(base + DV // 2 + jr[None, :], mask=k_ok[:, None], other=0), ASM)
+    k_a = k_a.to(DOT_DTYPE)
+    k_b = k_b.to(DOT_DTYPE)
+    s = tl.dot(q_a, tl.trans(k_a))
+    s = tl.dot(q_b, tl.trans(k_b), s)
+    s = tl.dot(qr_a, tl.trans(r_a.to(DOT_DTYPE)), s)
+    s = tl.dot(qr_b, tl.trans(r_b.to(DOT_DTYPE)), s)
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    p = p.to(DOT_DTYPE)
+    acc_a = tl.dot(p, k_a, acc_a * alpha[:, None])
+    acc_b = tl.dot(p, k_b, acc_b * alpha[:, None])
+    return m_new, l_i, acc_a, acc_b
+
+
+@triton.jit
+def _load_pairs(rows, ok, D: tl.constexpr, DOT_DTYPE: tl.constexpr):
+    """Dims 0, 2, 4, ... and 1, 3, 5, ... of ``D`` values at each of ``rows`` (pointers [R, 1])."""
+    j = tl.arange(0, D // 2)
+    a = tl.load(rows + 2 * j[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+    b = tl.load(rows + 2 * j[None, :] + 1, mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+    return a, b
+
+
+@triton.jit
+def _store_pairs(rows, ok, a, b, D: tl.constexpr):
+    """``a`` into dims 0, 2, 4, ... and ``b`` into dims 1, 3, 5, ... of ``D`` values at each of ``rows``."""
+    j = tl.arange(0, D // 2)
+    tl.store(rows + 2 * j[None, :], a.to(rows.dtype.element_ty), mask=ok[:, None])
+    tl.store(rows + 2 * j[None, :] + 1, b.to(rows.dtype.element_ty), mask=ok[:, None])
+
+
 @triton.jit(do_not_specialize=["H", "T", "keys_per_split"])  # batch sizes: one compile for all
 def _mla_attention_kernel(
     q_ptr,  # [T, H, DV + DR]
@@ -139,6 +187,8 @@ def _mla_attention_kernel(
     IEEE: tl.constexpr,
     SPLITS: tl.constexpr,
     BLOCK_N: tl.constexpr,  # keys per step (they may span cache blocks)
+    PAIRS: tl.constexpr = False,  # e4m3 cache read as int16 words (_key_step_pairs); cache_ptr is int16
+    ASM: tl.constexpr = False,  # PAIRS: e4m3_pairs' hardware conversion (not in the interpreter)
 ):
     t = tl.program_id(0)
     split = tl.program_id(2)
@@ -149,28 +199,46 @@ def _mla_attention_kernel(
     dv = tl.arange(0, DV)
     dr = tl.arange(0, DR)
     q_rows = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + dv[None, :], mask=h_ok[:, None], other=0.0).to(DOT_DTYPE)
-    q_pe = tl.load(q_rows + DV + dr[None, :], mask=h_ok[:, None], other=0.0).to(DOT_DTYPE)
     kv_scale = tl.load(scale_ptr)
     qk_scale = sm_scale * kv_scale
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, DV), tl.float32)
     first = split * keys_per_split
     last = tl.minimum(first + keys_per_split, pos + 1)  # this split's keys (maybe none)
     table = tables_ptr + req.to(tl.int64) * stride_bt
-    for k0 in range(first, last, BLOCK_N):
-        keys = k0 + tl.arange(0, BLOCK_N)
-        ok = keys < last
-        m_i, l_i, acc = _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, ok, ok[None, :], qk_scale,
-                                  m_i, l_i, acc, BLOCK_SIZE, DV, DR, DOT_DTYPE, IEEE)
-    if SPLITS == 1:
-        out = acc / l_i[:, None] * kv_scale
-        o_rows = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
-        tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
-    else:  # unnormalised partials, merged by _mla_merge_kernel (a split without keys leaves m = -inf, l = 0)
-        row = (split * T + t).to(tl.int64) * H + heads
-        tl.store(out_ptr + row[:, None] * DV + dv[None, :], acc, mask=h_ok[:, None])
+    o_rows = out_ptr + t.to(tl.int64) * stride_ot + heads[:, None] * stride_oh
+    row = (split * T + t).to(tl.int64) * H + heads  # SPLITS > 1: this program's partial rows
+    if PAIRS:
+        q_a, q_b = _load_pairs(q_rows, h_ok, DV, DOT_DTYPE)
+        qr_a, qr_b = _load_pairs(q_rows + DV, h_ok, DR, DOT_DTYPE)
+        acc_a = tl.zeros((BLOCK_H, DV // 2), tl.float32)
+        acc_b = tl.zeros((BLOCK_H, DV // 2), tl.float32)
+        for k0 in range(first, last, BLOCK_N):
+            keys = k0 + tl.arange(0, BLOCK_N)
+            ok = keys < last
+            m_i, l_i, acc_a, acc_b = _key_step_pairs(q_a, q_b, qr_a, qr_b, cache_ptr, table, stride_cb, keys, ok,
+                                                     ok[None, :], qk_scale, m_i, l_i, acc_a, acc_b, BLOCK_SIZE,
+                                                     DV, DR, DOT_DTYPE, ASM)
+        if SPLITS == 1:
+            norm = kv_scale / l_i[:, None]
+            _store_pairs(o_rows, h_ok, acc_a * norm, acc_b * norm, DV)
+        else:
+            _store_pairs(out_ptr + row[:, None] * DV, h_ok, acc_a, acc_b, DV)
+    else:
+        q_lat = tl.load(q_rows + dv[None, :], mask=h_ok[:, None], other=0.0).to(DOT_DTYPE)
+        q_pe = tl.load(q_rows + DV + dr[None, :], mask=h_ok[:, None], other=0.0).to(DOT_DTYPE)
+        acc = tl.zeros((BLOCK_H, DV), tl.float32)
+        for k0 in range(first, last, BLOCK_N):
+            keys = k0 + tl.arange(0, BLOCK_N)
+            ok = keys < last
+            m_i, l_i, acc = _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, ok, ok[None, :], qk_scale,
+                                      m_i, l_i, acc, BLOCK_SIZE, DV, DR, DOT_DTYPE, IEEE)
+        if SPLITS == 1:
+            out = acc / l_i[:, None] * kv_scale
+            tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None])
+        else:
+            tl.store(out_ptr + row[:, None] * DV + dv[None, :], acc, mask=h_ok[:, None])
+    if SPLITS > 1:  # unnormalised partials, merged by _mla_merge_kernel (a split without keys: m = -inf, l = 0)
         tl.store(ml_ptr + row * 2, m_i, mask=h_ok)
         tl.store(ml_ptr + row * 2 + 1, l_i, mask=h_ok)
 
@@ -201,6 +269,8 @@ def _mla_prefill_kernel(
     DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
+    PAIRS: tl.constexpr = False,  # as the decode kernel's
+    ASM: tl.constexpr = False,
 ):
     """Steps with prompt chunks: ROWS consecutive rows of one request x BLOCK_H heads a program, so each key
     read serves ROWS * BLOCK_H query rows (row r, head h at MMA row r * BLOCK_H + h); causal per row. Programs
@@ -216,27 +286,40 @@ def _mla_prefill_kernel(
     heads = tl.program_id(1) * BLOCK_H + m % BLOCK_H
     ok = (row < qlen) & (heads < H)
     pos = ctx + row  # rows past qlen: beyond every key walked below (no empty softmax)
-    dv = tl.arange(0, DV)
-    dr = tl.arange(0, DR)
     q_rows = q_ptr + (q0 + row).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
-    q_lat = tl.load(q_rows + dv[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
-    q_pe = tl.load(q_rows + DV + dr[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
     kv_scale = tl.load(scale_ptr)
     qk_scale = sm_scale * kv_scale
     m_i = tl.full((M,), float("-inf"), tl.float32)
     l_i = tl.zeros((M,), tl.float32)
-    acc = tl.zeros((M, DV), tl.float32)
     n_keys = ctx + tl.minimum(tile * ROWS + ROWS, qlen)  # the tile's last row sees keys 0 .. n_keys - 1
     table = tables_ptr + req.to(tl.int64) * stride_bt
-    for k0 in range(0, n_keys, BLOCK_N):
-        keys = k0 + tl.arange(0, BLOCK_N)
-        k_ok = keys < n_keys
-        m_i, l_i, acc = _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok,
-                                  keys[None, :] <= pos[:, None], qk_scale, m_i, l_i, acc, BLOCK_SIZE, DV, DR,
-                                  DOT_DTYPE, IEEE)
-    out = acc / l_i[:, None] * kv_scale
     o_rows = out_ptr + (q0 + row).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-    tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    if PAIRS:
+        q_a, q_b = _load_pairs(q_rows, ok, DV, DOT_DTYPE)
+        qr_a, qr_b = _load_pairs(q_rows + DV, ok, DR, DOT_DTYPE)
+        acc_a = tl.zeros((M, DV // 2), tl.float32)
+        acc_b = tl.zeros((M, DV // 2), tl.float32)
+        for k0 in range(0, n_keys, BLOCK_N):
+            keys = k0 + tl.arange(0, BLOCK_N)
+            m_i, l_i, acc_a, acc_b = _key_step_pairs(q_a, q_b, qr_a, qr_b, cache_ptr, table, stride_cb, keys,
+                                                     keys < n_keys, keys[None, :] <= pos[:, None], qk_scale, m_i,
+                                                     l_i, acc_a, acc_b, BLOCK_SIZE, DV, DR, DOT_DTYPE, ASM)
+        norm = kv_scale / l_i[:, None]
+        _store_pairs(o_rows, ok, acc_a * norm, acc_b * norm, DV)
+    else:
+        dv = tl.arange(0, DV)
+        dr = tl.arange(0, DR)
+        q_lat = tl.load(q_rows + dv[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+        q_pe = tl.load(q_rows + DV + dr[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+        acc = tl.zeros((M, DV), tl.float32)
+        for k0 in range(0, n_keys, BLOCK_N):
+            keys = k0 + tl.arange(0, BLOCK_N)
+            k_ok = keys < n_keys
+            m_i, l_i, acc = _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok,
+                                      keys[None, :] <= pos[:, None], qk_scale, m_i, l_i, acc, BLOCK_SIZE, DV, DR,
+                                      DOT_DTYPE, IEEE)
+        out = acc / l_i[:, None] * kv_scale
+        tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
 
 
 @triton.jit
@@ -284,6 +367,7 @@ def mla_attention(
     prefill_tile: tuple[int, int] | None = None,  # (ROWS, BLOCK_N) of the prefill kernel (default: prefill_tile_for)
     fp8_fp16_dots: bool = True,  # e4m3 cache, 16-bit q: fp16 MMA operands (``mla_dot_dtype``); False: q's dtype
     decode_tile: tuple[int, int, int] | None = None,  # decode (BLOCK_N, num_warps, num_stages): decode_tile_for
+    fp8_pairs: bool = True,  # e4m3 cache, 16-bit q: read as int16 words (``reads_pairs``); False: as bytes
 ) -> torch.Tensor:  # [T, H, v_dim]
     """``mla_attention_ref`` in one launch, or a split launch and a merge; steps with a prompt chunk
     (``max_query_len`` > 1) in the prefill kernel (module docstring)."""
@@ -300,14 +384,19 @@ def mla_attention(
     block_h = _block_h(h)
     bs = latent_cache.shape[1]
     dots = mla_dot_dtype(q.dtype, latent_cache.dtype, block_h) if fp8_fp16_dots else dot_dtype(q.dtype)
+    pairs = fp8_pairs and reads_pairs(q.dtype, latent_cache.dtype, v_dim, rope)
+    cache = latent_cache
+    if pairs:  # two e4m3 values a word; strides count words; fp16 operands (what the conversion yields)
+        cache, dots = latent_cache.view(torch.int16), dot_dtype(torch.float16)
+    pair_args = {"PAIRS": pairs, "ASM": pairs and not interpreting()}
     if max_query_len is not None and max_query_len > 1:
         rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
         num_seqs = seq_lens.shape[0]
         _mla_prefill_kernel[(ragged_grid(t, num_seqs, rows_per), triton.cdiv(h, block_h))](
-            q, latent_cache, block_tables, seq_lens, query_start_loc, kv_scale, out, h, num_seqs, scale,
-            q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+            q, cache, block_tables, seq_lens, query_start_loc, kv_scale, out, h, num_seqs, scale,
+            q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
             BLOCK_SIZE=bs, BLOCK_H=block_h, ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
-            DOT_DTYPE=dots, IEEE=q.dtype == torch.float32,
+            DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, **pair_args,
             num_warps=4 if v_dim <= 128 else 8, num_stages=2,
         )
         return out
@@ -324,10 +413,10 @@ def mla_attention(
         part = torch.empty((splits, t, h, v_dim), dtype=torch.float32, device=q.device)
         ml = torch.empty((splits, t, h, 2), dtype=torch.float32, device=q.device)
     _mla_attention_kernel[(t, head_blocks, splits)](
-        q, latent_cache, block_tables, req, pos, kv_scale, part, ml, h, t, scale, per_split,
-        q.stride(0), q.stride(1), latent_cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
+        q, cache, block_tables, req, pos, kv_scale, part, ml, h, t, scale, per_split,
+        q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, BLOCK_H=block_h, DV=v_dim, DR=rope,
-        DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits, BLOCK_N=block_n,
+        DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits, BLOCK_N=block_n, **pair_args,
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
@@ -387,6 +476,14 @@ def prefill_tile_for(num_heads: int, dtype: torch.dtype = torch.bfloat16) -> tup
     keys on the H200, 3-4x the per-row kernel at 16 heads); half of each for fp32 (twice the bytes a tile)."""
     rows_x_heads, keys = (PREFILL_ROWS_X_HEADS, PREFILL_KEYS) if dtype != torch.float32 else (32, 32)
     return max(1, rows_x_heads // _block_h(num_heads)), keys
+
+
+def reads_pairs(q_dtype: torch.dtype, cache_dtype: torch.dtype, v_dim: int, rope_dim: int) -> bool:
+    """Whether the kernels read an e4m3 cache as int16 words of two values (``e4m3_pairs``: 16-bit MMA
+    operands staged as bf16 ones, the value operand without byte-wise shared-memory reads): 16-bit queries,
+    and halves of both latent parts at least an MMA's 16."""
+    return (cache_dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
+            and min(v_dim, rope_dim) >= 32)
 
 
 def mla_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, block_h: int):  # -> triton.language.dtype

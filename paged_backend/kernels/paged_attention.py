@@ -68,6 +68,7 @@ from paged_backend.kernels._launch import (
     scale_tensor,
 )
 from paged_backend.kernels.cache_write_ref import FP8_DTYPE
+from paged_backend.kernels.e4m3_pairs import e4m3_pairs
 from paged_backend.kernels.q_tiles import q_tile_of, ragged_grid
 
 try:  # programmatic dependent launch (Triton >= 3.3); without it ``pdl`` configs run as plain launches
@@ -193,42 +194,6 @@ def _attend_tiles(
 
 
 @triton.jit
-def _e4m3_pairs(w, ASM: tl.constexpr):
-    """Two e4m3 values packed in each int16 word -> (low byte, high byte) as fp16.
-
-    ASM: the hardware's paired conversion (``cvt.rn.f16x2.e4m3x2``, after a byte permute that
-    gathers the low / high bytes of two words). Otherwise (the interpreter) bit moves that
-    place each byte in fp16's bit positions, which reads value * 2^-8, then * 256 (exact: every
-    e4m3 value, subnormals included, is an fp16 value). Either way the MMA operands are 16-bit tiles the
-    compiler stages like bf16 ones (an 8-bit V tile is read from shared memory byte by byte
-    when the MMA wants it transposed)."""
-    if ASM:
-        lo, hi = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 t0, t1;
-            .reg .b16 s0, s1;
-            prmt.b32 t0, $2, 0, 0x0020;
-            prmt.b32 t1, $2, 0, 0x0031;
-            cvt.u16.u32 s0, t0;
-            cvt.u16.u32 s1, t1;
-            cvt.rn.f16x2.e4m3x2 $0, s0;
-            cvt.rn.f16x2.e4m3x2 $1, s1;
-            }""",
-            constraints="=r,=r,r",
-            args=[w],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=2,
-        )
-        return lo, hi
-    else:
-        u = w.to(tl.uint16, bitcast=True)
-        lo = ((u << 7) & 0x3F80) | ((u << 8) & 0x8000)
-        hi = ((u >> 1) & 0x3F80) | (u & 0x8000)
-        return lo.to(tl.float16, bitcast=True) * 256.0, hi.to(tl.float16, bitcast=True) * 256.0
-
-
-@triton.jit
 def _attend_tiles_pairs(
     acc_e,  # [BLOCK_M, H_PAD] float32: output columns 0, 2, 4, ...
     acc_o,  # [BLOCK_M, H_PAD] float32: output columns 1, 3, 5, ...
@@ -257,7 +222,7 @@ def _attend_tiles_pairs(
     H_PAD: tl.constexpr,  # D_PAD // 2
     DOT_DTYPE: tl.constexpr,  # float16 (float32 in the interpreter)
     OFF32: tl.constexpr,
-    ASM: tl.constexpr,  # _e4m3_pairs' hardware conversion (not in the interpreter)
+    ASM: tl.constexpr,  # e4m3_pairs' hardware conversion (not in the interpreter)
 ):
     """``_attend_tiles`` for an fp8 cache read as int16 pairs (``fp8_pairs``): column 2j and 2j+1
     of a K/V row share one 16-bit word, so S = q_e K_e^T + q_o K_o^T and O = (P V_e, P V_o),
@@ -271,7 +236,7 @@ def _attend_tiles_pairs(
         kmask, k_off, v_off = _kv_tile_rows(bt_row, kpos, seq_len, stride_kb, stride_ks, stride_vb, stride_vs,
                                             MASK, BLOCK_SIZE, OFF32)
         kw = _load_tile(k_base + k_off[None, :] + offs_j[:, None], kmask[None, :], jmask[:, None], MASK, PADDED)
-        k_e, k_o = _e4m3_pairs(kw, ASM)
+        k_e, k_o = e4m3_pairs(kw, ASM)
         s = tl.dot(q_e, k_e.to(DOT_DTYPE))
         s = tl.dot(q_o, k_o.to(DOT_DTYPE), s)
         if MASK:
@@ -279,7 +244,7 @@ def _attend_tiles_pairs(
         m_new = tl.maximum(m_i, tl.max(s, axis=1) * qk_scale)
         p, alpha, l_i = _softmax_step(s, m_i, m_new, l_i, qk_scale, True)
         vw = _load_tile(v_base + v_off[:, None] + offs_j[None, :], kmask[:, None], jmask[None, :], MASK, PADDED)
-        v_e, v_o = _e4m3_pairs(vw, ASM)
+        v_e, v_o = e4m3_pairs(vw, ASM)
         p16 = p.to(DOT_DTYPE)
         acc_e = tl.dot(p16, v_e.to(DOT_DTYPE), acc_e * alpha[:, None])
         acc_o = tl.dot(p16, v_o.to(DOT_DTYPE), acc_o * alpha[:, None])

@@ -15,6 +15,7 @@ from paged_backend.kernels.mla_attention import (
     mla_forward,
     pick_splits,
     prefill_tile_for,
+    reads_pairs,
     row_positions,
     supported,
     warm_up,
@@ -193,3 +194,27 @@ def test_decode_tiles_take_32_keys_for_16_head_blocks_and_64_for_wider():
     assert decode_tile_for(64, torch.bfloat16, 512) == (64, 8, 2)
     assert decode_tile_for(64, torch.float16, 64) == (64, 4, 2)
     assert decode_tile_for(16, torch.float32, 512) == (32, 8, 2)
+
+
+@pytest.mark.parametrize("kernel", ["decode", "decode-split", "prefill"])
+def test_e4m3_latents_read_as_word_pairs_match_the_reference(kernel):
+    """16-bit queries over an e4m3 cache: the kernels read the latents as int16 words of two values (even and
+    odd dims apart, ``reads_pairs``); the same as reading them byte by byte, and the reference. 20 heads over
+    two head blocks, latent 64 + 32, decode rows (one program or four context splits a row) and prefill
+    chunks."""
+    seqs = [(70, 1, [6, 5, 7, 8, 9]), (5, 1, [2]), (33, 1, [3, 1, 4])]
+    if kernel == "prefill":
+        seqs = [(0, 11, [3, 1]), (45, 7, [2, 5, 4, 9]), (30, 1, [6, 7])]
+    assert reads_pairs(torch.bfloat16, FP8_DTYPE, 64, 32) and not reads_pairs(torch.float32, FP8_DTYPE, 64, 32)
+    assert not reads_pairs(torch.bfloat16, torch.bfloat16, 64, 32) and not reads_pairs(torch.bfloat16, FP8_DTYPE,
+                                                                                         64, 16)
+    q, latent, meta, cache, scale = _step(seqs, 20, 64, 32, torch.bfloat16, fp8=True, seed=3)
+    ref_cache = cache.clone()
+    write_latent_cache(latent, cache, meta.slot_mapping, scale)
+    kw = {"max_query_len": 11} if kernel == "prefill" else {"max_seq_len": 71, "splits": 4 if "split" in kernel
+                                                            else 1}
+    got = mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale, **kw)
+    by_bytes = mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale,
+                             fp8_pairs=False, **kw)
+    want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 64, scale)
+    assert not got.isnan().any() and _rel(got, want) < 2e-2 and _rel(got, by_bytes) < 1e-2
