@@ -368,6 +368,7 @@ def mla_attention(
     fp8_fp16_dots: bool = True,  # e4m3 cache, 16-bit q: fp16 MMA operands (``mla_dot_dtype``); False: q's dtype
     decode_tile: tuple[int, int, int] | None = None,  # decode (BLOCK_N, num_warps, num_stages): decode_tile_for
     fp8_pairs: bool = True,  # e4m3 cache, 16-bit q: read as int16 words (``reads_pairs``); False: as bytes
+    out_dtype: torch.dtype | None = None,  # default: q's
 ) -> torch.Tensor:  # [T, H, v_dim]
     """``mla_attention_ref`` in one launch, or a split launch and a merge; steps with a prompt chunk
     (``max_query_len`` > 1) in the prefill kernel (module docstring)."""
@@ -376,7 +377,7 @@ def mla_attention(
     if latent_cache.shape[-1] != d or not supported(v_dim, rope):
         raise ValueError(f"mla_attention takes latents of v_dim + rope dims, both powers of two >= 16; got q "
                          f"{tuple(q.shape)}, cache {tuple(latent_cache.shape)}, v_dim {v_dim}")
-    out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
+    out = torch.empty((t, h, v_dim), dtype=out_dtype or q.dtype, device=q.device)
     if t == 0:
         return out
     if kv_scale is None:
@@ -384,7 +385,7 @@ def mla_attention(
     block_h = _block_h(h)
     bs = latent_cache.shape[1]
     dots = mla_dot_dtype(q.dtype, latent_cache.dtype, block_h) if fp8_fp16_dots else dot_dtype(q.dtype)
-    pairs = fp8_pairs and reads_pairs(q.dtype, latent_cache.dtype, v_dim, rope)
+    pairs = fp8_pairs and reads_pairs(q.dtype, latent_cache.dtype, v_dim, rope, h)
     cache = latent_cache
     if pairs:  # two e4m3 values a word; strides count words; fp16 operands (what the conversion yields)
         cache, dots = latent_cache.view(torch.int16), dot_dtype(torch.float16)
@@ -406,7 +407,7 @@ def mla_attention(
     if splits is None:
         splits = pick_splits(t * head_blocks, max_blocks, _sm_count(q.device))
     splits = max(1, min(next_pow2(splits), next_pow2(max_blocks)))
-    block_n, warps, stages = decode_tile or decode_tile_for(block_h, q.dtype, v_dim)
+    block_n, warps, stages = decode_tile or decode_tile_for(block_h, q.dtype, v_dim, pairs)
     per_split = triton.cdiv(triton.cdiv(max_blocks * bs, splits), block_n) * block_n  # keys
     part, ml = out, out
     if splits > 1:
@@ -455,18 +456,21 @@ def _block_h(num_heads: int) -> int:
 
 DECODE_KEYS = 64  # keys a decode program takes a step (4 blocks of 16: 2.5x one block a step on the H200)
 SMALL_HEAD_BLOCK_TILE = (32, 4, 2)  # (keys, warps, stages) for head blocks of 16: 1.15-1.25x (64, 8, 2) on an H100
+PAIRS_TILE = (64, 4, 2)  # the same over e4m3 word pairs: 1.10-1.13x (32, 4, 2) on an H100
 
 
-def decode_tile_for(block_h: int, dtype: torch.dtype, v_dim: int) -> tuple[int, int, int]:
+def decode_tile_for(block_h: int, dtype: torch.dtype, v_dim: int, pairs: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel: 32 keys a step on 4 warps for 16-head blocks
     (DeepSeek-V2-Lite: the fp32 accumulator is 16 x DV, and a smaller tile keeps more programs resident),
-    ``DECODE_KEYS`` on 8 warps for wider blocks or values (128 heads: the 64-key tile was fastest); half the
-    keys for fp32 (twice the bytes a key)."""
+    64 for e4m3 word pairs (half the bytes a key: ``PAIRS_TILE``), ``DECODE_KEYS`` on 8 warps for wider
+    blocks or values (128 heads: the 64-key tile was fastest); half the keys for fp32 (twice the bytes a key)."""
     if dtype == torch.float32:
         return DECODE_KEYS // 2, 4 if v_dim <= 128 else 8, 2
     if block_h <= 16:
-        return SMALL_HEAD_BLOCK_TILE
+        return PAIRS_TILE if pairs else SMALL_HEAD_BLOCK_TILE
     return DECODE_KEYS, 4 if v_dim <= 128 else 8, 2
+
+
 PREFILL_ROWS_X_HEADS = 64  # MMA rows a prefill program fills (ROWS query rows x BLOCK_H heads)
 PREFILL_KEYS = 64  # keys a prefill program takes a step
 
@@ -478,12 +482,21 @@ def prefill_tile_for(num_heads: int, dtype: torch.dtype = torch.bfloat16) -> tup
     return max(1, rows_x_heads // _block_h(num_heads)), keys
 
 
-def reads_pairs(q_dtype: torch.dtype, cache_dtype: torch.dtype, v_dim: int, rope_dim: int) -> bool:
+def reads_pairs(q_dtype: torch.dtype, cache_dtype: torch.dtype, v_dim: int, rope_dim: int, num_heads: int) -> bool:
     """Whether the kernels read an e4m3 cache as int16 words of two values (``e4m3_pairs``: 16-bit MMA
     operands staged as bf16 ones, the value operand without byte-wise shared-memory reads): 16-bit queries,
-    and halves of both latent parts at least an MMA's 16."""
+    halves of both latent parts at least an MMA's 16, head blocks of at most 32 (on an H100 1.15-1.25x the
+    byte reads at DeepSeek-V2-Lite's 16 heads, 0.6x at 128: the two fp32 accumulators of a 64-head block)."""
     return (cache_dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
-            and min(v_dim, rope_dim) >= 32)
+            and min(v_dim, rope_dim) >= 32 and _block_h(num_heads) <= 32)
+
+
+def query_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, v_dim: int, rope_dim: int,
+                num_heads: int) -> torch.dtype:
+    """The dtype ``mla_attention`` wants q in: fp16 where it reads word pairs (their MMA operands are fp16; an
+    fp16 q in memory goes to the tensor cores from shared memory as it is, a converted one through registers
+    each key step), else q's own."""
+    return torch.float16 if reads_pairs(q_dtype, cache_dtype, v_dim, rope_dim, num_heads) else q_dtype
 
 
 def mla_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, block_h: int):  # -> triton.language.dtype
@@ -533,4 +546,4 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
         meta.step_cache[key] = row_positions(meta.seq_lens, meta.query_start_loc, query.shape[0])
     return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,
                          kv_scale, max_seq_len=meta.max_seq_len, rows=meta.step_cache.get(key),
-                         max_query_len=meta.max_query_len)
+                         max_query_len=meta.max_query_len, out_dtype=latent.dtype)
