@@ -67,11 +67,6 @@ class AttentionBackend(Protocol):
     ) -> torch.Tensor:  # [T, num_heads, head_dim], dtype of query
         ...
 
-    def mla_query_dtype(self, dtype: torch.dtype, kv_cache: torch.Tensor, num_heads: int, v_dim: int) -> torch.dtype:
-        """The dtype ``forward_mla`` takes its query in, for a layer of the model ``dtype`` over ``kv_cache``
-        (the layer writes q once anyway: the backend would otherwise make a pass over q to convert it)."""
-        ...
-
     def forward_mla(
         self,
         query: torch.Tensor,  # [T, num_heads, D]: absorbed q_nope | roped q_pe (models/mla.py)
@@ -81,6 +76,6 @@ class AttentionBackend(Protocol):
         scale: float,
         v_dim: int,  # the value: the latent's first v_dim dims (kv_lora_rank)
         kv_scale: torch.Tensor,  # float32 scalar (1.0 unless the cache is fp8)
-    ) -> torch.Tensor:  # [T, num_heads, v_dim], dtype of latent (the model's)
+    ) -> torch.Tensor:  # [T, num_heads, v_dim], dtype of query
         """Multi-head latent attention: writes ``latent`` into the cache, then attends (paged_backend/kernels/mla_attention_ref.py)."""
         ...

@@ -200,13 +200,10 @@ def _row_keys(lens: list[int], table: list[list[int]], bs: int, shift: int) -> l
 class TorchAttentionBackend:
     name = "torch"
 
-    def mla_query_dtype(self, dtype: torch.dtype, kv_cache: torch.Tensor, num_heads: int, v_dim: int) -> torch.dtype:
-        return dtype
-
     def forward_mla(self, query: torch.Tensor, latent: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float, v_dim: int, kv_scale: torch.Tensor) -> torch.Tensor:
         """Multi-head latent attention through its torch reference (``AttentionBackend.forward_mla``)."""
-        return mla_forward_ref(query, latent, kv_cache, meta, scale, v_dim, kv_scale).to(latent.dtype)
+        return mla_forward_ref(query, latent, kv_cache, meta, scale, v_dim, kv_scale)
 
     def __init__(self) -> None:
         self._gen = 0  # generation of the decode-row copies (one per step that has decode rows)

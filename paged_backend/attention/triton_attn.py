@@ -12,7 +12,7 @@ import torch
 
 from paged_backend.attention.backend import AttentionMetadata
 from paged_backend.kernels.cache_write import write_kv_cache
-from paged_backend.kernels.mla_attention import mla_forward, query_dtype, supported
+from paged_backend.kernels.mla_attention import mla_forward, supported
 from paged_backend.kernels.mla_attention import warm_up as warm_up_latent
 from paged_backend.kernels.mla_attention_ref import mla_forward_ref
 from paged_backend.kernels.paged_attention import paged_attention, query_prescale, warm_up
@@ -28,13 +28,6 @@ class TritonAttentionBackend:
         if supported(v_dim, query.shape[-1] - v_dim):
             return mla_forward(query, latent, kv_cache, meta, scale, v_dim, kv_scale)
         return mla_forward_ref(query, latent, kv_cache, meta, scale, v_dim, kv_scale)
-
-    def mla_query_dtype(self, dtype: torch.dtype, kv_cache: torch.Tensor, num_heads: int, v_dim: int) -> torch.dtype:
-        """fp16 over an e4m3 latent cache the kernels read as word pairs (``mla_attention.query_dtype``)."""
-        latent_dim = kv_cache.shape[-1]
-        if not supported(v_dim, latent_dim - v_dim):
-            return dtype
-        return query_dtype(dtype, kv_cache.dtype, v_dim, latent_dim - v_dim, num_heads)
 
     def query_scale(self, query: torch.Tensor, kv_cache: torch.Tensor, meta: AttentionMetadata,
                     scale: float) -> float | None:

@@ -269,8 +269,6 @@ def _mla_prefill_kernel(
     DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
-    PAIRS: tl.constexpr = False,  # as the decode kernel's
-    ASM: tl.constexpr = False,
 ):
     """Steps with prompt chunks: ROWS consecutive rows of one request x BLOCK_H heads a program, so each key
     read serves ROWS * BLOCK_H query rows (row r, head h at MMA row r * BLOCK_H + h); causal per row. Programs
@@ -286,40 +284,44 @@ def _mla_prefill_kernel(
     heads = tl.program_id(1) * BLOCK_H + m % BLOCK_H
     ok = (row < qlen) & (heads < H)
     pos = ctx + row  # rows past qlen: beyond every key walked below (no empty softmax)
+    dv = tl.arange(0, DV)
+    dr = tl.arange(0, DR)
     q_rows = q_ptr + (q0 + row).to(tl.int64)[:, None] * stride_qt + heads[:, None] * stride_qh
+    q_lat = tl.load(q_rows + dv[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
+    q_pe = tl.load(q_rows + DV + dr[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
     kv_scale = tl.load(scale_ptr)
     qk_scale = sm_scale * kv_scale
     m_i = tl.full((M,), float("-inf"), tl.float32)
     l_i = tl.zeros((M,), tl.float32)
+    acc = tl.zeros((M, DV), tl.float32)
     n_keys = ctx + tl.minimum(tile * ROWS + ROWS, qlen)  # the tile's last row sees keys 0 .. n_keys - 1
     table = tables_ptr + req.to(tl.int64) * stride_bt
+    for k0 in range(0, n_keys, BLOCK_N):
+        keys = k0 + tl.arange(0, BLOCK_N)
+        k_ok = keys < n_keys
+        m_i, l_i, acc = _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok,
+                                  keys[None, :] <= pos[:, None], qk_scale, m_i, l_i, acc, BLOCK_SIZE, DV, DR,
+                                  DOT_DTYPE, IEEE)
+    out = acc / l_i[:, None] * kv_scale
     o_rows = out_ptr + (q0 + row).to(tl.int64)[:, None] * stride_ot + heads[:, None] * stride_oh
-    if PAIRS:
-        q_a, q_b = _load_pairs(q_rows, ok, DV, DOT_DTYPE)
-        qr_a, qr_b = _load_pairs(q_rows + DV, ok, DR, DOT_DTYPE)
-        acc_a = tl.zeros((M, DV // 2), tl.float32)
-        acc_b = tl.zeros((M, DV // 2), tl.float32)
-        for k0 in range(0, n_keys, BLOCK_N):
-            keys = k0 + tl.arange(0, BLOCK_N)
-            m_i, l_i, acc_a, acc_b = _key_step_pairs(q_a, q_b, qr_a, qr_b, cache_ptr, table, stride_cb, keys,
-                                                     keys < n_keys, keys[None, :] <= pos[:, None], qk_scale, m_i,
-                                                     l_i, acc_a, acc_b, BLOCK_SIZE, DV, DR, DOT_DTYPE, ASM)
-        norm = kv_scale / l_i[:, None]
-        _store_pairs(o_rows, ok, acc_a * norm, acc_b * norm, DV)
-    else:
-        dv = tl.arange(0, DV)
-        dr = tl.arange(0, DR)
-        q_lat = tl.load(q_rows + dv[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
-        q_pe = tl.load(q_rows + DV + dr[None, :], mask=ok[:, None], other=0.0).to(DOT_DTYPE)
-        acc = tl.zeros((M, DV), tl.float32)
-        for k0 in range(0, n_keys, BLOCK_N):
-            keys = k0 + tl.arange(0, BLOCK_N)
-            k_ok = keys < n_keys
-            m_i, l_i, acc = _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok,
-                                      keys[None, :] <= pos[:, None], qk_scale, m_i, l_i, acc, BLOCK_SIZE, DV, DR,
-                                      DOT_DTYPE, IEEE)
-        out = acc / l_i[:, None] * kv_scale
-        tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+    tl.store(o_rows + dv[None, :], out.to(out_ptr.dtype.element_ty), mask=ok[:, None])
+
+
+@triton.jit
+def _dequantize_blocks_kernel(cache_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_bt, num_blocks_per_seq,
+                              BLOCK_ELEMS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD: tl.constexpr):
+    """Cache block j of request r (while it holds some of the request's tokens) into ``out`` block
+    r * num_blocks_per_seq + j, converted to ``out``'s dtype (exact: every e4m3 value is a bf16 / fp16 value)."""
+    r = tl.program_id(0)
+    j = tl.program_id(1)
+    if j * BLOCK_SIZE >= tl.load(seq_lens_ptr + r):
+        return
+    block = tl.load(tables_ptr + r.to(tl.int64) * stride_bt + j).to(tl.int64)
+    offs = tl.arange(0, PAD)  # BLOCK_ELEMS (block_size x D values) up to a power of two
+    ok = offs < BLOCK_ELEMS
+    x = tl.load(cache_ptr + block * BLOCK_ELEMS + offs, mask=ok)
+    dst = (r.to(tl.int64) * num_blocks_per_seq + j) * BLOCK_ELEMS
+    tl.store(out_ptr + dst + offs, x.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -367,8 +369,8 @@ def mla_attention(
     prefill_tile: tuple[int, int] | None = None,  # (ROWS, BLOCK_N) of the prefill kernel (default: prefill_tile_for)
     fp8_fp16_dots: bool = True,  # e4m3 cache, 16-bit q: fp16 MMA operands (``mla_dot_dtype``); False: q's dtype
     decode_tile: tuple[int, int, int] | None = None,  # decode (BLOCK_N, num_warps, num_stages): decode_tile_for
-    fp8_pairs: bool = True,  # e4m3 cache, 16-bit q: read as int16 words (``reads_pairs``); False: as bytes
-    out_dtype: torch.dtype | None = None,  # default: q's
+    fp8_pairs: bool = True,  # decode, e4m3 cache, 16-bit q: read as int16 words (``reads_pairs``); False: as bytes
+    dequantize: bool = True,  # prefill, e4m3 cache, 16-bit q: convert the step's blocks first (``dequantizes``)
 ) -> torch.Tensor:  # [T, H, v_dim]
     """``mla_attention_ref`` in one launch, or a split launch and a merge; steps with a prompt chunk
     (``max_query_len`` > 1) in the prefill kernel (module docstring)."""
@@ -377,7 +379,7 @@ def mla_attention(
     if latent_cache.shape[-1] != d or not supported(v_dim, rope):
         raise ValueError(f"mla_attention takes latents of v_dim + rope dims, both powers of two >= 16; got q "
                          f"{tuple(q.shape)}, cache {tuple(latent_cache.shape)}, v_dim {v_dim}")
-    out = torch.empty((t, h, v_dim), dtype=out_dtype or q.dtype, device=q.device)
+    out = torch.empty((t, h, v_dim), dtype=q.dtype, device=q.device)
     if t == 0:
         return out
     if kv_scale is None:
@@ -385,22 +387,26 @@ def mla_attention(
     block_h = _block_h(h)
     bs = latent_cache.shape[1]
     dots = mla_dot_dtype(q.dtype, latent_cache.dtype, block_h) if fp8_fp16_dots else dot_dtype(q.dtype)
+    if max_query_len is not None and max_query_len > 1:
+        rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
+        num_seqs = seq_lens.shape[0]
+        max_blocks = -(-(max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs) // bs)
+        cache, tables = latent_cache, block_tables
+        if dequantize and dequantizes(q.dtype, latent_cache, num_seqs * max_blocks):
+            cache, tables = dequantize_blocks(latent_cache, block_tables, seq_lens, max_blocks, q.dtype)
+            dots = dot_dtype(q.dtype)
+        _mla_prefill_kernel[(ragged_grid(t, num_seqs, rows_per), triton.cdiv(h, block_h))](
+            q, cache, tables, seq_lens, query_start_loc, kv_scale, out, h, num_seqs, scale,
+            q.stride(0), q.stride(1), cache.stride(0), tables.stride(0), out.stride(0), out.stride(1),
+            BLOCK_SIZE=bs, BLOCK_H=block_h, ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
+            DOT_DTYPE=dots, IEEE=q.dtype == torch.float32,
+            num_warps=4 if v_dim <= 128 else 8, num_stages=2,
+        )
+        return out
     pairs = fp8_pairs and reads_pairs(q.dtype, latent_cache.dtype, v_dim, rope, h)
     cache = latent_cache
     if pairs:  # two e4m3 values a word; strides count words; fp16 operands (what the conversion yields)
         cache, dots = latent_cache.view(torch.int16), dot_dtype(torch.float16)
-    pair_args = {"PAIRS": pairs, "ASM": pairs and not interpreting()}
-    if max_query_len is not None and max_query_len > 1:
-        rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
-        num_seqs = seq_lens.shape[0]
-        _mla_prefill_kernel[(ragged_grid(t, num_seqs, rows_per), triton.cdiv(h, block_h))](
-            q, cache, block_tables, seq_lens, query_start_loc, kv_scale, out, h, num_seqs, scale,
-            q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_SIZE=bs, BLOCK_H=block_h, ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
-            DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, **pair_args,
-            num_warps=4 if v_dim <= 128 else 8, num_stages=2,
-        )
-        return out
     req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
     max_blocks = -(-(max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs) // bs)
     head_blocks = triton.cdiv(h, block_h)
@@ -417,13 +423,42 @@ def mla_attention(
         q, cache, block_tables, req, pos, kv_scale, part, ml, h, t, scale, per_split,
         q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
         BLOCK_SIZE=bs, BLOCK_H=block_h, DV=v_dim, DR=rope,
-        DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits, BLOCK_N=block_n, **pair_args,
+        DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits, BLOCK_N=block_n, PAIRS=pairs,
+        ASM=pairs and not interpreting(),
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
         _mla_merge_kernel[(t, h)](part, ml, kv_scale, out, h, t, out.stride(0), out.stride(1), SPLITS=splits,
                                   DV=v_dim)
     return out
+
+
+DEQUANTIZE_MAX_BYTES = 64 << 20  # the most a prefill step's converted copy of its blocks may take
+
+
+def dequantizes(q_dtype: torch.dtype, latent_cache: torch.Tensor, blocks: int) -> bool:
+    """Whether a prefill step over an e4m3 cache first converts its requests' blocks to q's dtype: 16-bit q, and
+    ``blocks`` (requests x blocks of the longest) within ``DEQUANTIZE_MAX_BYTES``. The prefill kernel reads each
+    key once per tile of rows that sees it; converting each block once and running the 16-bit kernel beats
+    converting every read (at DeepSeek-V2-Lite's shapes the kernel over e4m3 ran 1.45x the bf16 kernel's
+    time)."""
+    per_block = latent_cache.shape[1] * latent_cache.shape[2] * 2
+    return (latent_cache.dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
+            and blocks * per_block <= DEQUANTIZE_MAX_BYTES)
+
+
+def dequantize_blocks(latent_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                      max_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a ``dtype`` copy of each request's first ``max_blocks`` blocks that hold its tokens, request r's block j
+    at r * max_blocks + j; the block tables of that copy), values as stored (the scale stays kv_scale's)."""
+    num_seqs = seq_lens.shape[0]
+    _, bs, d = latent_cache.shape
+    out = torch.empty((num_seqs * max_blocks, bs, d), dtype=dtype, device=latent_cache.device)
+    tables = torch.arange(num_seqs * max_blocks, dtype=torch.int32, device=latent_cache.device)
+    _dequantize_blocks_kernel[(num_seqs, max_blocks)](latent_cache, block_tables, seq_lens, out,
+                                                      block_tables.stride(0), max_blocks, BLOCK_ELEMS=bs * d,
+                                                      BLOCK_SIZE=bs, PAD=next_pow2(bs * d))
+    return out, tables.view(num_seqs, max_blocks)
 
 
 def warm_up(latent_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int, v_dim: int, max_model_len: int,
@@ -462,7 +497,7 @@ PAIRS_TILE = (64, 4, 2)  # the same over e4m3 word pairs: 1.10-1.13x (32, 4, 2) 
 def decode_tile_for(block_h: int, dtype: torch.dtype, v_dim: int, pairs: bool = False) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of the decode kernel: 32 keys a step on 4 warps for 16-head blocks
     (DeepSeek-V2-Lite: the fp32 accumulator is 16 x DV, and a smaller tile keeps more programs resident),
-    64 for e4m3 word pairs (half the bytes a key: ``PAIRS_TILE``), ``DECODE_KEYS`` on 8 warps for wider
+    64 over e4m3 word pairs (half the bytes a key: ``PAIRS_TILE``), ``DECODE_KEYS`` on 8 warps for wider
     blocks or values (128 heads: the 64-key tile was fastest); half the keys for fp32 (twice the bytes a key)."""
     if dtype == torch.float32:
         return DECODE_KEYS // 2, 4 if v_dim <= 128 else 8, 2
@@ -483,20 +518,12 @@ def prefill_tile_for(num_heads: int, dtype: torch.dtype = torch.bfloat16) -> tup
 
 
 def reads_pairs(q_dtype: torch.dtype, cache_dtype: torch.dtype, v_dim: int, rope_dim: int, num_heads: int) -> bool:
-    """Whether the kernels read an e4m3 cache as int16 words of two values (``e4m3_pairs``: 16-bit MMA
+    """Whether the decode kernel reads an e4m3 cache as int16 words of two values (``e4m3_pairs``: 16-bit MMA
     operands staged as bf16 ones, the value operand without byte-wise shared-memory reads): 16-bit queries,
-    halves of both latent parts at least an MMA's 16, head blocks of at most 32 (on an H100 1.15-1.25x the
+    halves of both latent parts at least an MMA's 16, head blocks of at most 32 (on an H100 1.15-1.5x the
     byte reads at DeepSeek-V2-Lite's 16 heads, 0.6x at 128: the two fp32 accumulators of a 64-head block)."""
     return (cache_dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
             and min(v_dim, rope_dim) >= 32 and _block_h(num_heads) <= 32)
-
-
-def query_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, v_dim: int, rope_dim: int,
-                num_heads: int) -> torch.dtype:
-    """The dtype ``mla_attention`` wants q in: fp16 where it reads word pairs (their MMA operands are fp16; an
-    fp16 q in memory goes to the tensor cores from shared memory as it is, a converted one through registers
-    each key step), else q's own."""
-    return torch.float16 if reads_pairs(q_dtype, cache_dtype, v_dim, rope_dim, num_heads) else q_dtype
 
 
 def mla_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, block_h: int):  # -> triton.language.dtype
@@ -546,4 +573,4 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
         meta.step_cache[key] = row_positions(meta.seq_lens, meta.query_start_loc, query.shape[0])
     return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,
                          kv_scale, max_seq_len=meta.max_seq_len, rows=meta.step_cache.get(key),
-                         max_query_len=meta.max_query_len, out_dtype=latent.dtype)
+                         max_query_len=meta.max_query_len)

@@ -126,9 +126,7 @@ class MLAAttention(nn.Module):
             self.calibrate_kv_scales = False
         w_uk, w_uv = self._absorbed(q_nope.dtype)
         q_lat = torch.einsum("thn,hnl->thl", q_nope, w_uk)
-        q_dtype = self.attn_backend.mla_query_dtype(q_lat.dtype, kv_cache, self.num_heads, m.kv_lora_rank)
-        query = q_lat.new_empty((t, self.num_heads, q_lat.shape[-1] + q_pe.shape[-1]), dtype=q_dtype)
-        torch.cat([q_lat, q_pe], dim=-1, out=query)  # converted in the copy where the backend wants another dtype
+        query = torch.cat([q_lat, q_pe], dim=-1)
         latent = torch.cat([c, k_pe.reshape(t, m.qk_rope_head_dim)], dim=-1)
         o_lat = self.attn_backend.forward_mla(query, latent, kv_cache, meta, self.scale, m.kv_lora_rank, self.k_scale)
         o = torch.einsum("thl,hvl->thv", o_lat, w_uv)

@@ -11,11 +11,13 @@ from model_fixtures import make_meta
 
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 from paged_backend.kernels.mla_attention import (
+    DEQUANTIZE_MAX_BYTES,
+    dequantize_blocks,
+    dequantizes,
     mla_attention,
     mla_forward,
     pick_splits,
     prefill_tile_for,
-    query_dtype,
     reads_pairs,
     row_positions,
     supported,
@@ -108,9 +110,6 @@ def test_compiled_deepseek_v2_lite_shaped(fp8):
     got = mla_forward(q, latent, cache, meta, 0.07, 512, scale)
     want = mla_forward_ref(q, latent, ref_cache, meta, 0.07, 512, scale)
     assert _rel(got.cpu(), want.cpu()) < 2e-2
-    if fp8:  # q in fp16, as the model layer hands it over for e4m3 word pairs; the output in the model's dtype
-        got = mla_forward(q.half(), latent, cache, meta, 0.07, 512, scale)
-        assert got.dtype == torch.bfloat16 and _rel(got.cpu(), want.cpu()) < 2e-2
 
 
 @pytest.mark.cuda
@@ -128,9 +127,6 @@ def test_compiled_prefill_deepseek_v2_lite_shaped():
         got = mla_forward(q, latent, cache, meta, 0.07, 512, scale)
         want = mla_forward_ref(q, latent, ref_cache, meta, 0.07, 512, scale)
         assert _rel(got.cpu(), want.cpu()) < 2e-2
-        if fp8:  # fp16 q (the model layer's, for e4m3 word pairs): the queries' MMA operand from shared memory
-            got = mla_forward(q.half(), latent, cache, meta, 0.07, 512, scale)
-            assert got.dtype == torch.bfloat16 and _rel(got.cpu(), want.cpu()) < 2e-2
 
 
 @pytest.mark.parametrize("splits", [2, 4, 8])
@@ -194,39 +190,53 @@ def test_prefill_tiles_fill_64_mma_rows_and_the_cpu_warms_nothing():
     assert warm_up(torch.zeros(4, 16, 48), torch.float32, 4, 32, max_model_len=64) == 0
 
 
-def test_decode_tiles_take_32_keys_for_16_head_blocks_64_over_word_pairs_and_64_for_wider():
+def test_decode_tiles_take_32_keys_for_16_head_blocks_and_64_for_wider():
     from paged_backend.kernels.mla_attention import decode_tile_for
 
     assert decode_tile_for(16, torch.bfloat16, 512) == (32, 4, 2)
-    assert decode_tile_for(16, torch.bfloat16, 512, pairs=True) == (64, 4, 2)  # e4m3 word pairs
     assert decode_tile_for(64, torch.bfloat16, 512) == (64, 8, 2)
     assert decode_tile_for(64, torch.float16, 64) == (64, 4, 2)
     assert decode_tile_for(16, torch.float32, 512) == (32, 8, 2)
 
 
-@pytest.mark.parametrize("kernel", ["decode", "decode-split", "prefill"])
-def test_e4m3_latents_read_as_word_pairs_match_the_reference(kernel):
-    """16-bit queries over an e4m3 cache: the kernels read the latents as int16 words of two values (even and
-    odd dims apart, ``reads_pairs``); the same as reading them byte by byte, and the reference. 20 heads over
-    two head blocks, latent 64 + 32, decode rows (one program or four context splits a row) and prefill
-    chunks."""
-    seqs = [(70, 1, [6, 5, 7, 8, 9]), (5, 1, [2]), (33, 1, [3, 1, 4])]
-    if kernel == "prefill":
-        seqs = [(0, 11, [3, 1]), (45, 7, [2, 5, 4, 9]), (30, 1, [6, 7])]
-    assert query_dtype(torch.bfloat16, FP8_DTYPE, 64, 32, 20) == torch.float16
-    assert query_dtype(torch.float32, FP8_DTYPE, 64, 32, 20) == torch.float32  # fp32 q: byte reads
-    assert query_dtype(torch.bfloat16, torch.bfloat16, 64, 32, 20) == torch.bfloat16
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_reads_e4m3_latents_as_word_pairs(splits):
+    """16-bit queries over an e4m3 cache: the decode kernel reads the latents as int16 words of two values (even
+    and odd dims apart, ``reads_pairs``); the same as reading them byte by byte, and the reference. 20 heads over
+    two head blocks, latent 64 + 32, one program or four context splits a row."""
+    assert reads_pairs(torch.bfloat16, FP8_DTYPE, 64, 32, 20) and not reads_pairs(torch.float32, FP8_DTYPE, 64, 32, 20)
+    assert not reads_pairs(torch.bfloat16, torch.bfloat16, 64, 32, 20)
     assert not reads_pairs(torch.bfloat16, FP8_DTYPE, 64, 16, 20)  # a rotary half below an MMA's 16
     assert not reads_pairs(torch.bfloat16, FP8_DTYPE, 64, 32, 128)  # 64-head blocks
+    seqs = [(70, 1, [6, 5, 7, 8, 9]), (5, 1, [2]), (33, 1, [3, 1, 4])]
     q, latent, meta, cache, scale = _step(seqs, 20, 64, 32, torch.bfloat16, fp8=True, seed=3)
     ref_cache = cache.clone()
     write_latent_cache(latent, cache, meta.slot_mapping, scale)
-    kw = {"max_query_len": 11} if kernel == "prefill" else {"max_seq_len": 71, "splits": 4 if "split" in kernel
-                                                            else 1}
-    args = (cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale)
-    got = mla_attention(q.half(), *args, out_dtype=torch.bfloat16, **kw)  # q as the model layer hands it over
-    by_bytes = mla_attention(q, *args, fp8_pairs=False, **kw)
+    args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale)
+    got = mla_attention(*args, max_seq_len=71, splits=splits)
+    by_bytes = mla_attention(*args, max_seq_len=71, splits=splits, fp8_pairs=False)
     want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 64, scale)
-    assert got.dtype == torch.bfloat16 and not got.isnan().any()
-    assert _rel(got, want) < 2e-2 and _rel(got, by_bytes) < 1e-2
-    assert torch.equal(mla_attention(q, *args, **kw), got)  # a bf16 q converts to the same fp16 operands
+    assert not got.isnan().any() and _rel(got, want) < 2e-2 and _rel(got, by_bytes) < 1e-2
+
+
+def test_prefill_over_e4m3_latents_converts_the_steps_blocks_once():
+    """A prefill step over an e4m3 cache with 16-bit q converts each request's blocks (those holding its tokens)
+    to q's dtype exactly, then runs the 16-bit kernel: the same as reading e4m3 in the kernel, and the reference;
+    past ``DEQUANTIZE_MAX_BYTES`` it reads e4m3."""
+    seqs = [(0, 11, [3, 1]), (45, 7, [2, 5, 4, 9]), (30, 1, [6, 7])]
+    q, latent, meta, cache, scale = _step(seqs, 20, 64, 32, torch.bfloat16, fp8=True, seed=4)
+    ref_cache = cache.clone()
+    write_latent_cache(latent, cache, meta.slot_mapping, scale)
+    copy, tables = dequantize_blocks(cache, meta.block_tables, meta.seq_lens, 4, torch.bfloat16)
+    assert copy.dtype == torch.bfloat16 and tables.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    for r, (n, new, blocks) in enumerate(seqs):
+        held = -(-(n + new) // 16)
+        assert torch.equal(copy[4 * r:4 * r + held], cache[blocks[:held]].to(torch.bfloat16))
+    assert dequantizes(torch.bfloat16, cache, 12) and not dequantizes(torch.float32, cache, 12)
+    assert not dequantizes(torch.bfloat16, cache.to(torch.bfloat16), 12)
+    assert not dequantizes(torch.bfloat16, cache, DEQUANTIZE_MAX_BYTES // (16 * 96 * 2) + 1)
+    args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale)
+    got = mla_attention(*args, max_query_len=11, max_seq_len=52)
+    by_bytes = mla_attention(*args, max_query_len=11, max_seq_len=52, dequantize=False)
+    want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 64, scale)
+    assert not got.isnan().any() and _rel(got, want) < 2e-2 and _rel(got, by_bytes) < 1e-2
