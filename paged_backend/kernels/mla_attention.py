@@ -30,6 +30,7 @@ products accumulate in fp32; fp32 queries use full-precision dots.
 from __future__ import annotations
 
 import functools
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -196,6 +197,8 @@ def _mla_attention_kernel(
     h_ok = heads < H
     req = tl.load(req_ptr + t)
     pos = tl.load(pos_ptr + t)
+    if pos < 0:
+        return  # a row of a prompt chunk, which the prefill kernel attends
     dv = tl.arange(0, DV)
     dr = tl.arange(0, DR)
     q_rows = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
@@ -269,6 +272,7 @@ def _mla_prefill_kernel(
     DR: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     IEEE: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr = False,  # requests of one row are the decode kernel's
 ):
     """Steps with prompt chunks: ROWS consecutive rows of one request x BLOCK_H heads a program, so each key
     read serves ROWS * BLOCK_H query rows (row r, head h at MMA row r * BLOCK_H + h); causal per row. Programs
@@ -277,6 +281,8 @@ def _mla_prefill_kernel(
     req, q0, qlen, tile = q_tile_of(qsl_ptr, num_seqs, pid, ROWS)
     if tile * ROWS >= qlen:
         return  # past this request's rows (the grid has room for every request's last, partial tile)
+    if SKIP_SINGLE and qlen == 1:
+        return
     ctx = tl.load(seq_lens_ptr + req) - qlen
     M: tl.constexpr = ROWS * BLOCK_H
     m = tl.arange(0, M)
@@ -308,29 +314,31 @@ def _mla_prefill_kernel(
 
 
 @triton.jit
-def _dequantize_blocks_kernel(cache_ptr, tables_ptr, seq_lens_ptr, out_ptr, stride_bt, num_blocks_per_seq,
+def _dequantize_blocks_kernel(cache_ptr, tables_ptr, seq_lens_ptr, base_ptr, out_ptr, stride_bt,
                               BLOCK_ELEMS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD: tl.constexpr):
-    """Cache block j of request r (while it holds some of the request's tokens) into ``out`` block
-    r * num_blocks_per_seq + j, converted to ``out``'s dtype (exact: every e4m3 value is a bf16 / fp16 value)."""
+    """Cache block j of request r (while it holds some of the request's tokens) into ``out`` block base[r] + j
+    (base < 0: not this request), converted to ``out``'s dtype (exact: every e4m3 value is a bf16 / fp16 value)."""
     r = tl.program_id(0)
     j = tl.program_id(1)
-    if j * BLOCK_SIZE >= tl.load(seq_lens_ptr + r):
+    base = tl.load(base_ptr + r)
+    if (base < 0) | (j * BLOCK_SIZE >= tl.load(seq_lens_ptr + r)):
         return
     block = tl.load(tables_ptr + r.to(tl.int64) * stride_bt + j).to(tl.int64)
     offs = tl.arange(0, PAD)  # BLOCK_ELEMS (block_size x D values) up to a power of two
     ok = offs < BLOCK_ELEMS
     x = tl.load(cache_ptr + block * BLOCK_ELEMS + offs, mask=ok)
-    dst = (r.to(tl.int64) * num_blocks_per_seq + j) * BLOCK_ELEMS
-    tl.store(out_ptr + dst + offs, x.to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out_ptr + (base + j).to(tl.int64) * BLOCK_ELEMS + offs, x.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
-def _mla_merge_kernel(part_ptr, ml_ptr, scale_ptr, out_ptr, H, T, stride_ot, stride_oh, SPLITS: tl.constexpr,
-                      DV: tl.constexpr):
+def _mla_merge_kernel(part_ptr, ml_ptr, scale_ptr, pos_ptr, out_ptr, H, T, stride_ot, stride_oh,
+                      SPLITS: tl.constexpr, DV: tl.constexpr):
     """out[t, h] = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s * kv_scale, over the splits, one split at
     a time (a split without keys, l_s = 0, is skipped and its partial sum not read)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
+    if tl.load(pos_ptr + t) < 0:
+        return  # not a decode row (the decode kernel skipped it)
     dv = tl.arange(0, DV)
     m = float("-inf")
     lsum = 0.0
@@ -370,10 +378,13 @@ def mla_attention(
     fp8_fp16_dots: bool = True,  # e4m3 cache, 16-bit q: fp16 MMA operands (``mla_dot_dtype``); False: q's dtype
     decode_tile: tuple[int, int, int] | None = None,  # decode (BLOCK_N, num_warps, num_stages): decode_tile_for
     fp8_pairs: bool = True,  # decode, e4m3 cache, 16-bit q: read as int16 words (``reads_pairs``); False: as bytes
-    dequantize: bool = True,  # prefill, e4m3 cache, 16-bit q: convert the step's blocks first (``dequantizes``)
+    dequantize: bool = True,  # prefill, e4m3 cache, 16-bit q: convert the chunks' blocks first (``dequantizes``)
+    host_lens: tuple[list[int], list[int]] | None = None,  # (query lens, seq lens) on the host: ``step_plan``
+    plan: StepPlan | None = None,  # a prefill step's ``step_plan``, if the caller has it
 ) -> torch.Tensor:  # [T, H, v_dim]
     """``mla_attention_ref`` in one launch, or a split launch and a merge; steps with a prompt chunk
-    (``max_query_len`` > 1) in the prefill kernel (module docstring)."""
+    (``max_query_len`` > 1) in the prefill kernel, their single-row requests in the decode kernel where the
+    step's plan says so (module docstring)."""
     t, h, d = q.shape
     rope = d - v_dim
     if latent_cache.shape[-1] != d or not supported(v_dim, rope):
@@ -384,34 +395,94 @@ def mla_attention(
         return out
     if kv_scale is None:
         kv_scale = torch.ones((), dtype=torch.float32, device=q.device)
-    block_h = _block_h(h)
     bs = latent_cache.shape[1]
-    dots = mla_dot_dtype(q.dtype, latent_cache.dtype, block_h) if fp8_fp16_dots else dot_dtype(q.dtype)
-    if max_query_len is not None and max_query_len > 1:
-        rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
-        num_seqs = seq_lens.shape[0]
-        max_blocks = -(-(max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs) // bs)
-        cache, tables = latent_cache, block_tables
-        if dequantize and dequantizes(q.dtype, latent_cache, num_seqs * max_blocks):
-            cache, tables = dequantize_blocks(latent_cache, block_tables, seq_lens, max_blocks, q.dtype)
-            dots = dot_dtype(q.dtype)
-        _mla_prefill_kernel[(ragged_grid(t, num_seqs, rows_per), triton.cdiv(h, block_h))](
-            q, cache, tables, seq_lens, query_start_loc, kv_scale, out, h, num_seqs, scale,
-            q.stride(0), q.stride(1), cache.stride(0), tables.stride(0), out.stride(0), out.stride(1),
-            BLOCK_SIZE=bs, BLOCK_H=block_h, ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
-            DOT_DTYPE=dots, IEEE=q.dtype == torch.float32,
-            num_warps=4 if v_dim <= 128 else 8, num_stages=2,
-        )
-        return out
+    if max_seq_len is None:
+        max_seq_len = block_tables.shape[1] * bs
     pairs = fp8_pairs and reads_pairs(q.dtype, latent_cache.dtype, v_dim, rope, h)
-    cache = latent_cache
-    if pairs:  # two e4m3 values a word; strides count words; fp16 operands (what the conversion yields)
-        cache, dots = latent_cache.view(torch.int16), dot_dtype(torch.float16)
-    req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
-    max_blocks = -(-(max_seq_len if max_seq_len is not None else block_tables.shape[1] * bs) // bs)
+    if max_query_len is None or max_query_len <= 1:
+        req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
+        _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim, t, max_seq_len, splits,
+                decode_tile, fp8_fp16_dots, pairs)
+        return out
+    if plan is None:
+        plan = step_plan(seq_lens, query_start_loc, t, max_seq_len, bs, host_lens, pairs)
+    cache, tables, dots = latent_cache, block_tables, _dots(q.dtype, latent_cache.dtype, h, fp8_fp16_dots, False)
+    if dequantize and dequantizes(q.dtype, latent_cache, plan.chunk_slots * plan.chunk_blocks):
+        cache, tables = dequantize_blocks(latent_cache, block_tables, seq_lens, plan, q.dtype)
+        dots = dot_dtype(q.dtype)
+    rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
+    num_seqs = seq_lens.shape[0]
+    _mla_prefill_kernel[(ragged_grid(t, num_seqs, rows_per), triton.cdiv(h, _block_h(h)))](
+        q, cache, tables, seq_lens, query_start_loc, kv_scale, out, h, num_seqs, scale,
+        q.stride(0), q.stride(1), cache.stride(0), tables.stride(0), out.stride(0), out.stride(1),
+        BLOCK_SIZE=bs, BLOCK_H=_block_h(h), ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
+        DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SKIP_SINGLE=plan.decode_rows > 0,
+        num_warps=4 if v_dim <= 128 else 8, num_stages=2,
+    )
+    if plan.decode_rows:  # the single-row requests (the chunks' rows have pos -1: skipped)
+        _decode(q, latent_cache, block_tables, plan.decode_req, plan.decode_pos, kv_scale, out, scale, v_dim,
+                plan.decode_rows, plan.decode_max_seq_len, splits, decode_tile, fp8_fp16_dots, pairs)
+    return out
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """How a step with prompt chunks runs (once per step, every layer's): ``decode_rows`` single-row requests
+    (the longest ``decode_max_seq_len`` tokens) in the decode kernel at ``decode_req`` / ``decode_pos`` (-1: a
+    chunk's row), the rest in the prefill kernel (``decode_rows`` 0: every request). A converted copy of the
+    prefill kernel's blocks holds ``chunk_slots`` requests of ``chunk_blocks`` blocks, request r's from block
+    ``chunk_base[r]`` (int32 on the device; -1: not in the copy)."""
+
+    decode_rows: int
+    decode_max_seq_len: int
+    chunk_slots: int
+    chunk_blocks: int
+    chunk_base: torch.Tensor
+    decode_req: torch.Tensor | None = None
+    decode_pos: torch.Tensor | None = None
+
+
+def step_plan(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_rows: int, max_seq_len: int,
+              block_size: int, host_lens: tuple[list[int], list[int]] | None, pairs: bool) -> StepPlan:
+    """Single-row requests move to the decode kernel where it reads e4m3 word pairs (the prefill kernel would
+    spend a 64-row tile on each, over e4m3 bytes) and the host has (query lens, seq lens); else none move.
+    Device work only (no host sync)."""
+    num_seqs, dev = seq_lens.shape[0], seq_lens.device
+    blocks = -(-max_seq_len // block_size)
+    if host_lens is None or not pairs or 1 not in host_lens[0] or max(host_lens[0]) <= 1:
+        base = torch.arange(num_seqs, dtype=torch.int32, device=dev) * blocks
+        return StepPlan(0, 0, num_seqs, blocks, base)
+    qlens, lens = host_lens
+    chunk_lens = [n for n, q in zip(lens, qlens, strict=True) if q > 1]
+    chunk_blocks = -(-max(chunk_lens) // block_size)
+    is_chunk = (query_start_loc[1:] - query_start_loc[:-1]) > 1
+    base = torch.where(is_chunk, (torch.cumsum(is_chunk, 0) - 1) * chunk_blocks, -1).to(torch.int32)
+    req, pos = row_positions(seq_lens, query_start_loc, num_rows)
+    pos = torch.where(is_chunk[req], -1, pos)
+    decode_len = max(n for n, q in zip(lens, qlens, strict=True) if q == 1)
+    return StepPlan(num_seqs - len(chunk_lens), decode_len, len(chunk_lens), chunk_blocks, base, req, pos)
+
+
+def _dots(q_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, fp16_dots: bool, pairs: bool):
+    """The MMA operand type of a launch (``mla_dot_dtype``; fp16 over word pairs: what their conversion gives)."""
+    if pairs:
+        return dot_dtype(torch.float16)
+    return mla_dot_dtype(q_dtype, cache_dtype, _block_h(num_heads)) if fp16_dots else dot_dtype(q_dtype)
+
+
+def _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim, num_rows, max_seq_len, splits,
+            decode_tile, fp16_dots, pairs) -> None:
+    """The decode kernel over q's rows whose ``pos`` >= 0 (``num_rows`` of them, the longest ``max_seq_len``
+    tokens: they pick the context split), then the split merge."""
+    t, h, d = q.shape
+    bs = latent_cache.shape[1]
+    block_h = _block_h(h)
+    dots = _dots(q.dtype, latent_cache.dtype, h, fp16_dots, pairs)
+    cache = latent_cache.view(torch.int16) if pairs else latent_cache  # two e4m3 values a word; strides in words
+    max_blocks = -(-max_seq_len // bs)
     head_blocks = triton.cdiv(h, block_h)
     if splits is None:
-        splits = pick_splits(t * head_blocks, max_blocks, _sm_count(q.device))
+        splits = pick_splits(num_rows * head_blocks, max_blocks, _sm_count(q.device))
     splits = max(1, min(next_pow2(splits), next_pow2(max_blocks)))
     block_n, warps, stages = decode_tile or decode_tile_for(block_h, q.dtype, v_dim, pairs)
     per_split = triton.cdiv(triton.cdiv(max_blocks * bs, splits), block_n) * block_n  # keys
@@ -422,15 +493,14 @@ def mla_attention(
     _mla_attention_kernel[(t, head_blocks, splits)](
         q, cache, block_tables, req, pos, kv_scale, part, ml, h, t, scale, per_split,
         q.stride(0), q.stride(1), cache.stride(0), block_tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=bs, BLOCK_H=block_h, DV=v_dim, DR=rope,
+        BLOCK_SIZE=bs, BLOCK_H=block_h, DV=v_dim, DR=d - v_dim,
         DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SPLITS=splits, BLOCK_N=block_n, PAIRS=pairs,
         ASM=pairs and not interpreting(),
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
-        _mla_merge_kernel[(t, h)](part, ml, kv_scale, out, h, t, out.stride(0), out.stride(1), SPLITS=splits,
+        _mla_merge_kernel[(t, h)](part, ml, kv_scale, pos, out, h, t, out.stride(0), out.stride(1), SPLITS=splits,
                                   DV=v_dim)
-    return out
 
 
 DEQUANTIZE_MAX_BYTES = 64 << 20  # the most a prefill step's converted copy of its blocks may take
@@ -448,17 +518,17 @@ def dequantizes(q_dtype: torch.dtype, latent_cache: torch.Tensor, blocks: int) -
 
 
 def dequantize_blocks(latent_cache: torch.Tensor, block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                      max_blocks: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """(a ``dtype`` copy of each request's first ``max_blocks`` blocks that hold its tokens, request r's block j
-    at r * max_blocks + j; the block tables of that copy), values as stored (the scale stays kv_scale's)."""
+                      plan: StepPlan, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a ``dtype`` copy of the blocks holding the tokens of each request in ``plan``'s copy, request r's block j
+    at ``chunk_base[r]`` + j; the block tables of that copy), values as stored (the scale stays kv_scale's)."""
     num_seqs = seq_lens.shape[0]
     _, bs, d = latent_cache.shape
-    out = torch.empty((num_seqs * max_blocks, bs, d), dtype=dtype, device=latent_cache.device)
-    tables = torch.arange(num_seqs * max_blocks, dtype=torch.int32, device=latent_cache.device)
-    _dequantize_blocks_kernel[(num_seqs, max_blocks)](latent_cache, block_tables, seq_lens, out,
-                                                      block_tables.stride(0), max_blocks, BLOCK_ELEMS=bs * d,
-                                                      BLOCK_SIZE=bs, PAD=next_pow2(bs * d))
-    return out, tables.view(num_seqs, max_blocks)
+    out = torch.empty((plan.chunk_slots * plan.chunk_blocks, bs, d), dtype=dtype, device=latent_cache.device)
+    steps = torch.arange(plan.chunk_blocks, dtype=torch.int32, device=latent_cache.device)
+    _dequantize_blocks_kernel[(num_seqs, plan.chunk_blocks)](latent_cache, block_tables, seq_lens, plan.chunk_base,
+                                                             out, block_tables.stride(0), BLOCK_ELEMS=bs * d,
+                                                             BLOCK_SIZE=bs, PAD=next_pow2(bs * d))
+    return out, plan.chunk_base[:, None] + steps[None, :]
 
 
 def warm_up(latent_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int, v_dim: int, max_model_len: int,
@@ -480,9 +550,18 @@ def warm_up(latent_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int
         mla_attention(q, latent_cache, tables, seq_lens, qsl, d**-0.5, v_dim, kv_scale, max_seq_len=max_blocks * bs,
                       splits=splits)
     q2 = torch.zeros((2, num_heads, d), dtype=query_dtype, device=dev)  # a two-row chunk: the prefill kernel
-    mla_attention(q2, latent_cache, tables, seq_lens, torch.tensor([0, 2], dtype=torch.int32, device=dev),
-                  d**-0.5, v_dim, kv_scale, max_query_len=2)
-    return len(variants) + 1
+    qsl2 = torch.tensor([0, 2], dtype=torch.int32, device=dev)
+    for dequantize in (True, False) if latent_cache.dtype == FP8_DTYPE else (True,):  # a step too big to convert
+        mla_attention(q2, latent_cache, tables, seq_lens, qsl2, d**-0.5, v_dim, kv_scale, max_query_len=2,
+                      max_seq_len=max_blocks * bs, dequantize=dequantize)
+    if not reads_pairs(query_dtype, latent_cache.dtype, v_dim, d - v_dim, num_heads):
+        return len(variants) + 1
+    # a chunk beside a decode row: the prefill kernel skipping single rows, the decode kernel skipping chunk rows
+    q3 = torch.zeros((3, num_heads, d), dtype=query_dtype, device=dev)
+    n = max_blocks * bs
+    mla_attention(q3, latent_cache, tables.expand(2, -1), seq_lens.expand(2), torch.tensor([0, 2, 3], dtype=torch.int32,
+                  device=dev), d**-0.5, v_dim, kv_scale, max_query_len=2, max_seq_len=n, host_lens=([2, 1], [n, n]))
+    return len(variants) + 2
 
 
 def _block_h(num_heads: int) -> int:
@@ -568,9 +647,21 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
     if latent_cache.shape[1] != meta.block_size:
         raise ValueError(f"latent cache block size {latent_cache.shape[1]} != metadata block_size {meta.block_size}")
     write_latent_cache(latent, latent_cache, meta.slot_mapping, kv_scale)
-    key = ("mla_rows", query.shape[0])  # once per step, not per layer
-    if key not in meta.step_cache and meta.max_query_len <= 1:  # (the prefill kernel finds its rows itself)
-        meta.step_cache[key] = row_positions(meta.seq_lens, meta.query_start_loc, query.shape[0])
+    t, h, d = query.shape
+    host_lens = None if meta.query_lens_cpu is None else (meta.query_lens_cpu, meta.seq_lens_cpu)
+    rows, plan = None, None
+    if meta.max_query_len <= 1:  # once per step, not per layer
+        key = ("mla_rows", t)
+        if key not in meta.step_cache:
+            meta.step_cache[key] = row_positions(meta.seq_lens, meta.query_start_loc, t)
+        rows = meta.step_cache[key]
+    else:
+        pairs = reads_pairs(query.dtype, latent_cache.dtype, v_dim, d - v_dim, h)
+        key = ("mla_plan", t, pairs, latent_cache.shape[1])
+        if key not in meta.step_cache:
+            meta.step_cache[key] = step_plan(meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
+                                             latent_cache.shape[1], host_lens, pairs)
+        plan = meta.step_cache[key]
     return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,
-                         kv_scale, max_seq_len=meta.max_seq_len, rows=meta.step_cache.get(key),
-                         max_query_len=meta.max_query_len)
+                         kv_scale, max_seq_len=meta.max_seq_len, rows=rows, max_query_len=meta.max_query_len,
+                         plan=plan)

@@ -20,6 +20,7 @@ from paged_backend.kernels.mla_attention import (
     prefill_tile_for,
     reads_pairs,
     row_positions,
+    step_plan,
     supported,
     warm_up,
     write_latent_cache,
@@ -227,7 +228,9 @@ def test_prefill_over_e4m3_latents_converts_the_steps_blocks_once():
     q, latent, meta, cache, scale = _step(seqs, 20, 64, 32, torch.bfloat16, fp8=True, seed=4)
     ref_cache = cache.clone()
     write_latent_cache(latent, cache, meta.slot_mapping, scale)
-    copy, tables = dequantize_blocks(cache, meta.block_tables, meta.seq_lens, 4, torch.bfloat16)
+    plan = step_plan(meta.seq_lens, meta.query_start_loc, q.shape[0], 52, 16, None, True)  # no host lens: all
+    assert (plan.decode_rows, plan.chunk_slots, plan.chunk_blocks, plan.chunk_base.tolist()) == (0, 3, 4, [0, 4, 8])
+    copy, tables = dequantize_blocks(cache, meta.block_tables, meta.seq_lens, plan, torch.bfloat16)
     assert copy.dtype == torch.bfloat16 and tables.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
     for r, (n, new, blocks) in enumerate(seqs):
         held = -(-(n + new) // 16)
@@ -240,3 +243,28 @@ def test_prefill_over_e4m3_latents_converts_the_steps_blocks_once():
     by_bytes = mla_attention(*args, max_query_len=11, max_seq_len=52, dequantize=False)
     want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 64, scale)
     assert not got.isnan().any() and _rel(got, want) < 2e-2 and _rel(got, by_bytes) < 1e-2
+
+
+@pytest.mark.parametrize("splits", [None, 4])
+def test_a_step_with_chunks_sends_single_rows_to_the_decode_kernel_over_e4m3(splits):
+    """With the host's query lengths, a step over e4m3 latents (16-bit q, word pairs) attends its single-row
+    requests in the decode kernel and its chunks in the prefill kernel over a converted copy of the chunks'
+    blocks only (the other kernel skips each row: poisoned outputs, no NaN); the same as the one-kernel step and
+    the reference, and as ``mla_forward`` with the metadata's host lengths."""
+    seqs = [(20, 1, [7, 8]), (0, 11, [3, 1]), (5, 1, [2]), (45, 7, [5, 4, 9, 10]), (30, 1, [6, 11])]
+    q, latent, meta, cache, scale = _step(seqs, 20, 64, 32, torch.bfloat16, fp8=True, seed=5)
+    ref_cache = cache.clone()
+    want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 64, scale)
+    write_latent_cache(latent, cache, meta.slot_mapping, scale)
+    lens = ([1, 11, 1, 7, 1], [21, 11, 6, 52, 31])
+    plan = step_plan(meta.seq_lens, meta.query_start_loc, q.shape[0], 52, 16, lens, True)
+    assert (plan.decode_rows, plan.decode_max_seq_len, plan.chunk_slots, plan.chunk_blocks) == (3, 31, 2, 4)
+    assert plan.chunk_base.tolist() == [-1, 0, -1, 4, -1]
+    assert plan.decode_pos.tolist() == [20] + [-1] * 11 + [5] + [-1] * 7 + [30]
+    args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale)
+    got = mla_attention(*args, max_query_len=11, max_seq_len=52, host_lens=lens, splits=splits)
+    one_kernel = mla_attention(*args, max_query_len=11, max_seq_len=52)
+    assert not got.isnan().any() and _rel(got, want) < 2e-2 and _rel(got, one_kernel) < 1e-2
+    if splits is None:
+        assert meta.query_lens_cpu == lens[0] and meta.seq_lens_cpu == lens[1]
+        assert torch.equal(mla_forward(q, latent, cache, meta, 0.125, 64, scale), got)
