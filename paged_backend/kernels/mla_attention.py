@@ -25,6 +25,16 @@ costs (DV + DR + DV) / (qk_nope + qk_rope + v) ~ 3.4x the FLOPs of attention ove
 K/V (DeepSeek's dims); it reads no more than the latent cache. DV and DR must be powers of two >= 16 (``supported``);
 ``tl.dot`` needs 16 rows, so BLOCK_H is at least 16 (padded heads load zeros and store nothing). The
 products accumulate in fp32; fp32 queries use full-precision dots.
+
+e4m3 latents, 16-bit queries: decode reads the cache as int16 words of two values (``reads_pairs``,
+``e4m3_pairs``): the even and odd dims of each latent become two fp16 tiles, the queries are loaded split the
+same way, and the even and odd output dims accumulate apart, so the latent tile is pipelined through shared
+memory and the value operand is a 16-bit tile (read as bytes, the compiler loads the transposed 8-bit value
+tile from shared memory one byte at a time and cannot pipeline the load that feeds both products). A step with
+prompt chunks follows ``step_plan``: given the host's query lengths, its single-row requests run in the decode
+kernel and its chunks in the prefill kernel, each kernel skipping the other's rows; the prefill kernel reads a
+16-bit copy of the chunks' blocks made first (``dequantize_blocks``: each block converted once, not once per
+tile of rows that reads it), within ``DEQUANTIZE_MAX_BYTES``.
 """
 
 from __future__ import annotations
