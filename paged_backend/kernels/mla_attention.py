@@ -559,18 +559,19 @@ def warm_up(latent_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int
     for splits in variants:
         mla_attention(q, latent_cache, tables, seq_lens, qsl, d**-0.5, v_dim, kv_scale, max_seq_len=max_blocks * bs,
                       splits=splits)
-    q2 = torch.zeros((2, num_heads, d), dtype=query_dtype, device=dev)  # a two-row chunk: the prefill kernel
+    # the prefill kernel on a two-row chunk over one block (a short context: the converted copy fits)
+    q2 = torch.zeros((2, num_heads, d), dtype=query_dtype, device=dev)
+    one_block = torch.full((1,), bs, dtype=torch.int32, device=dev)
     qsl2 = torch.tensor([0, 2], dtype=torch.int32, device=dev)
     for dequantize in (True, False) if latent_cache.dtype == FP8_DTYPE else (True,):  # a step too big to convert
-        mla_attention(q2, latent_cache, tables, seq_lens, qsl2, d**-0.5, v_dim, kv_scale, max_query_len=2,
-                      max_seq_len=max_blocks * bs, dequantize=dequantize)
+        mla_attention(q2, latent_cache, tables, one_block, qsl2, d**-0.5, v_dim, kv_scale, max_query_len=2,
+                      max_seq_len=bs, dequantize=dequantize)
     if not reads_pairs(query_dtype, latent_cache.dtype, v_dim, d - v_dim, num_heads):
         return len(variants) + 1
     # a chunk beside a decode row: the prefill kernel skipping single rows, the decode kernel skipping chunk rows
     q3 = torch.zeros((3, num_heads, d), dtype=query_dtype, device=dev)
-    n = max_blocks * bs
-    mla_attention(q3, latent_cache, tables.expand(2, -1), seq_lens.expand(2), torch.tensor([0, 2, 3], dtype=torch.int32,
-                  device=dev), d**-0.5, v_dim, kv_scale, max_query_len=2, max_seq_len=n, host_lens=([2, 1], [n, n]))
+    mla_attention(q3, latent_cache, tables.repeat(2, 1), one_block.repeat(2), torch.tensor([0, 2, 3], dtype=torch.int32,
+                  device=dev), d**-0.5, v_dim, kv_scale, max_query_len=2, max_seq_len=bs, host_lens=([2, 1], [bs, bs]))
     return len(variants) + 2
 
 

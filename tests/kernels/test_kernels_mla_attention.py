@@ -130,6 +130,20 @@ def test_compiled_prefill_deepseek_v2_lite_shaped():
         assert _rel(got.cpu(), want.cpu()) < 2e-2
 
 
+@pytest.mark.cuda
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_compiled_warm_up_launches_every_variant_and_leaves_the_cache(fp8):
+    """``warm_up`` at DeepSeek-V2-Lite's shapes on the GPU: the decode split counts, the prefill kernel (over e4m3
+    also reading e4m3 and the split step of a chunk beside a decode row), the cache untouched."""
+    cache = torch.randn(130, 16, 576, device="cuda").to(FP8_DTYPE if fp8 else torch.bfloat16)
+    before = cache.clone()
+    launched = warm_up(cache, torch.bfloat16, 16, 512, max_model_len=2048, kv_scale=torch.tensor(0.1, device="cuda"))
+    splits = pick_splits(1, 128, torch.cuda.get_device_properties(0).multi_processor_count).bit_length()
+    assert launched == splits + (2 if fp8 else 1)
+    torch.cuda.synchronize()
+    assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
+
+
 @pytest.mark.parametrize("splits", [2, 4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_context_splits_merge_to_the_reference(splits, dtype):
