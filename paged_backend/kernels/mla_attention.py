@@ -324,19 +324,20 @@ def _mla_prefill_kernel(
 
 
 @triton.jit
-def _dequantize_blocks_kernel(cache_ptr, tables_ptr, seq_lens_ptr, base_ptr, out_ptr, stride_bt,
-                              BLOCK_ELEMS: tl.constexpr, BLOCK_SIZE: tl.constexpr, PAD: tl.constexpr):
-    """Cache block j of request r (while it holds some of the request's tokens) into ``out`` block base[r] + j
-    (base < 0: not this request), converted to ``out``'s dtype (exact: every e4m3 value is a bf16 / fp16 value)."""
+def _dequantize_blocks_kernel(cache_ptr, tables_ptr, seq_lens_ptr, base_ptr, out_ptr, stride_cb, stride_bt,
+                              BLOCK_ELEMS: tl.constexpr, BLOCK_SIZE: tl.constexpr, CHUNK: tl.constexpr):
+    """CHUNK values of cache block j of request r (while it holds some of the request's tokens) into ``out``
+    block base[r] + j (base < 0: not this request), converted to ``out``'s dtype (exact: every e4m3 value is a
+    bf16 / fp16 value)."""
     r = tl.program_id(0)
     j = tl.program_id(1)
     base = tl.load(base_ptr + r)
     if (base < 0) | (j * BLOCK_SIZE >= tl.load(seq_lens_ptr + r)):
         return
     block = tl.load(tables_ptr + r.to(tl.int64) * stride_bt + j).to(tl.int64)
-    offs = tl.arange(0, PAD)  # BLOCK_ELEMS (block_size x D values) up to a power of two
+    offs = tl.program_id(2) * CHUNK + tl.arange(0, CHUNK)
     ok = offs < BLOCK_ELEMS
-    x = tl.load(cache_ptr + block * BLOCK_ELEMS + offs, mask=ok)
+    x = tl.load(cache_ptr + block * stride_cb + offs, mask=ok)
     tl.store(out_ptr + (base + j).to(tl.int64) * BLOCK_ELEMS + offs, x.to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -514,6 +515,7 @@ def _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim
 
 
 DEQUANTIZE_MAX_BYTES = 64 << 20  # the most a prefill step's converted copy of its blocks may take
+DEQUANTIZE_CHUNK = 4096  # values a conversion program takes (a 16 x 576 block: three programs)
 
 
 def dequantizes(q_dtype: torch.dtype, latent_cache: torch.Tensor, blocks: int) -> bool:
@@ -535,9 +537,10 @@ def dequantize_blocks(latent_cache: torch.Tensor, block_tables: torch.Tensor, se
     _, bs, d = latent_cache.shape
     out = torch.empty((plan.chunk_slots * plan.chunk_blocks, bs, d), dtype=dtype, device=latent_cache.device)
     steps = torch.arange(plan.chunk_blocks, dtype=torch.int32, device=latent_cache.device)
-    _dequantize_blocks_kernel[(num_seqs, plan.chunk_blocks)](latent_cache, block_tables, seq_lens, plan.chunk_base,
-                                                             out, block_tables.stride(0), BLOCK_ELEMS=bs * d,
-                                                             BLOCK_SIZE=bs, PAD=next_pow2(bs * d))
+    chunk = min(DEQUANTIZE_CHUNK, next_pow2(bs * d))
+    _dequantize_blocks_kernel[(num_seqs, plan.chunk_blocks, triton.cdiv(bs * d, chunk))](
+        latent_cache, block_tables, seq_lens, plan.chunk_base, out, latent_cache.stride(0), block_tables.stride(0),
+        BLOCK_ELEMS=bs * d, BLOCK_SIZE=bs, CHUNK=chunk)
     return out, plan.chunk_base[:, None] + steps[None, :]
 
 

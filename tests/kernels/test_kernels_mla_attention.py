@@ -9,6 +9,7 @@ import pytest
 import torch
 from model_fixtures import make_meta
 
+from paged_backend.kernels import mla_attention as mla_attention_module
 from paged_backend.kernels.fp8_types import FP8_DTYPE, FP8_MAX
 from paged_backend.kernels.mla_attention import (
     DEQUANTIZE_MAX_BYTES,
@@ -234,7 +235,7 @@ def test_decode_reads_e4m3_latents_as_word_pairs(splits):
     assert not got.isnan().any() and _rel(got, want) < 2e-2 and _rel(got, by_bytes) < 1e-2
 
 
-def test_prefill_over_e4m3_latents_converts_the_steps_blocks_once():
+def test_prefill_over_e4m3_latents_converts_the_steps_blocks_once(monkeypatch):
     """A prefill step over an e4m3 cache with 16-bit q converts each request's blocks (those holding its tokens)
     to q's dtype exactly, then runs the 16-bit kernel: the same as reading e4m3 in the kernel, and the reference;
     past ``DEQUANTIZE_MAX_BYTES`` it reads e4m3."""
@@ -242,6 +243,7 @@ def test_prefill_over_e4m3_latents_converts_the_steps_blocks_once():
     q, latent, meta, cache, scale = _step(seqs, 20, 64, 32, torch.bfloat16, fp8=True, seed=4)
     ref_cache = cache.clone()
     write_latent_cache(latent, cache, meta.slot_mapping, scale)
+    monkeypatch.setattr(mla_attention_module, "DEQUANTIZE_CHUNK", 512)  # a block (16 x 96 values) in three programs
     plan = step_plan(meta.seq_lens, meta.query_start_loc, q.shape[0], 52, 16, None, True)  # no host lens: all
     assert (plan.decode_rows, plan.chunk_slots, plan.chunk_blocks, plan.chunk_base.tolist()) == (0, 3, 4, [0, 4, 8])
     copy, tables = dequantize_blocks(cache, meta.block_tables, meta.seq_lens, plan, torch.bfloat16)
