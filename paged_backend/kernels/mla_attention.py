@@ -584,7 +584,7 @@ def _block_h(num_heads: int) -> int:
 
 DECODE_KEYS = 64  # keys a decode program takes a step (4 blocks of 16: 2.5x one block a step on the H200)
 SMALL_HEAD_BLOCK_TILE = (32, 4, 2)  # (keys, warps, stages) for head blocks of 16: 1.15-1.25x (64, 8, 2) on an H100
-PAIRS_TILE = (64, 4, 2)  # the same over e4m3 word pairs: 1.10-1.13x (32, 4, 2) on an H100
+PAIRS_TILE = (64, 4, 2)  # the same over e4m3 word pairs: 1.10-1.14x (32, 4, 2) on an H100
 
 
 def decode_tile_for(block_h: int, dtype: torch.dtype, v_dim: int, pairs: bool = False) -> tuple[int, int, int]:
@@ -613,7 +613,7 @@ def prefill_tile_for(num_heads: int, dtype: torch.dtype = torch.bfloat16) -> tup
 def reads_pairs(q_dtype: torch.dtype, cache_dtype: torch.dtype, v_dim: int, rope_dim: int, num_heads: int) -> bool:
     """Whether the decode kernel reads an e4m3 cache as int16 words of two values (``e4m3_pairs``: 16-bit MMA
     operands staged as bf16 ones, the value operand without byte-wise shared-memory reads): 16-bit queries,
-    halves of both latent parts at least an MMA's 16, head blocks of at most 32 (on an H100 1.15-1.5x the
+    halves of both latent parts at least an MMA's 16, head blocks of at most 32 (on an H100 1.2-1.6x the
     byte reads at DeepSeek-V2-Lite's 16 heads, 0.6x at 128: the two fp32 accumulators of a 64-head block)."""
     return (cache_dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
             and min(v_dim, rope_dim) >= 32 and _block_h(num_heads) <= 32)
