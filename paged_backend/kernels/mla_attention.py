@@ -459,19 +459,30 @@ def step_plan(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_rows: i
     spend a 64-row tile on each, over e4m3 bytes) and the host has (query lens, seq lens); else none move.
     Device work only (no host sync)."""
     num_seqs, dev = seq_lens.shape[0], seq_lens.device
-    blocks = -(-max_seq_len // block_size)
+    blocks = _copy_width(max_seq_len, block_size)
     if host_lens is None or not pairs or 1 not in host_lens[0] or max(host_lens[0]) <= 1:
         base = torch.arange(num_seqs, dtype=torch.int32, device=dev) * blocks
         return StepPlan(0, 0, num_seqs, blocks, base)
     qlens, lens = host_lens
     chunk_lens = [n for n, q in zip(lens, qlens, strict=True) if q > 1]
-    chunk_blocks = -(-max(chunk_lens) // block_size)
+    chunk_blocks = _copy_width(max(chunk_lens), block_size)
     is_chunk = (query_start_loc[1:] - query_start_loc[:-1]) > 1
     base = torch.where(is_chunk, (torch.cumsum(is_chunk, 0) - 1) * chunk_blocks, -1).to(torch.int32)
     req, pos = row_positions(seq_lens, query_start_loc, num_rows)
     pos = torch.where(is_chunk[req], -1, pos)
     decode_len = max(n for n, q in zip(lens, qlens, strict=True) if q == 1)
     return StepPlan(num_seqs - len(chunk_lens), decode_len, len(chunk_lens), chunk_blocks, base, req, pos)
+
+
+COPY_TABLE_ALIGN = 16  # the converted copy's block-table rows are a multiple of this many blocks wide
+
+
+def _copy_width(max_seq_len: int, block_size: int) -> int:
+    """Blocks a request takes in a converted copy: its longest request's, rounded up to ``COPY_TABLE_ALIGN``
+    (Triton specializes the prefill kernel on its table stride's divisibility by 16: so every step, and the
+    warm-up's, launches one compiled variant)."""
+    blocks = -(-max_seq_len // block_size)
+    return -(-blocks // COPY_TABLE_ALIGN) * COPY_TABLE_ALIGN
 
 
 def _dots(q_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, fp16_dots: bool, pairs: bool):

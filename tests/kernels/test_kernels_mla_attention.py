@@ -245,12 +245,14 @@ def test_prefill_over_e4m3_latents_converts_the_steps_blocks_once(monkeypatch):
     write_latent_cache(latent, cache, meta.slot_mapping, scale)
     monkeypatch.setattr(mla_attention_module, "DEQUANTIZE_CHUNK", 512)  # a block (16 x 96 values) in three programs
     plan = step_plan(meta.seq_lens, meta.query_start_loc, q.shape[0], 52, 16, None, True)  # no host lens: all
-    assert (plan.decode_rows, plan.chunk_slots, plan.chunk_blocks, plan.chunk_base.tolist()) == (0, 3, 4, [0, 4, 8])
+    # 4 blocks for the longest request, table rows 16 blocks wide (one compiled variant for every step)
+    assert (plan.decode_rows, plan.chunk_slots, plan.chunk_blocks, plan.chunk_base.tolist()) == (0, 3, 16, [0, 16, 32])
     copy, tables = dequantize_blocks(cache, meta.block_tables, meta.seq_lens, plan, torch.bfloat16)
-    assert copy.dtype == torch.bfloat16 and tables.tolist() == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11]]
+    assert copy.dtype == torch.bfloat16 and copy.shape[0] == 48
+    assert tables.tolist() == [list(range(16 * r, 16 * r + 16)) for r in range(3)]
     for r, (n, new, blocks) in enumerate(seqs):
         held = -(-(n + new) // 16)
-        assert torch.equal(copy[4 * r:4 * r + held], cache[blocks[:held]].to(torch.bfloat16))
+        assert torch.equal(copy[16 * r:16 * r + held], cache[blocks[:held]].to(torch.bfloat16))
     assert dequantizes(torch.bfloat16, cache, 12) and not dequantizes(torch.float32, cache, 12)
     assert not dequantizes(torch.bfloat16, cache.to(torch.bfloat16), 12)
     assert not dequantizes(torch.bfloat16, cache, DEQUANTIZE_MAX_BYTES // (16 * 96 * 2) + 1)
@@ -274,8 +276,8 @@ def test_a_step_with_chunks_sends_single_rows_to_the_decode_kernel_over_e4m3(spl
     write_latent_cache(latent, cache, meta.slot_mapping, scale)
     lens = ([1, 11, 1, 7, 1], [21, 11, 6, 52, 31])
     plan = step_plan(meta.seq_lens, meta.query_start_loc, q.shape[0], 52, 16, lens, True)
-    assert (plan.decode_rows, plan.decode_max_seq_len, plan.chunk_slots, plan.chunk_blocks) == (3, 31, 2, 4)
-    assert plan.chunk_base.tolist() == [-1, 0, -1, 4, -1]
+    assert (plan.decode_rows, plan.decode_max_seq_len, plan.chunk_slots, plan.chunk_blocks) == (3, 31, 2, 16)
+    assert plan.chunk_base.tolist() == [-1, 0, -1, 16, -1]
     assert plan.decode_pos.tolist() == [20] + [-1] * 11 + [5] + [-1] * 7 + [30]
     args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale)
     got = mla_attention(*args, max_query_len=11, max_seq_len=52, host_lens=lens, splits=splits)
