@@ -666,6 +666,18 @@ def _cuda_sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
 
 
+def host_lens_of(meta, num_rows: int) -> tuple[list[int], list[int]] | None:
+    """The metadata's host (query lens, seq lens) where they describe the device's rows exactly: not in a step
+    padded for a CUDA graph (more requests than lengths, or requests spread over padded rows) and not while a
+    graph is captured (a plan sized from this step's lengths would be replayed for other lengths)."""
+    qlens, lens = meta.query_lens_cpu, meta.seq_lens_cpu
+    if qlens is None or lens is None or len(qlens) != meta.num_seqs or len(lens) != len(qlens):
+        return None
+    if sum(qlens) != num_rows or (meta.seq_lens.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    return qlens, lens
+
+
 def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.Tensor, meta, scale: float,
                 v_dim: int, kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """``mla_forward_ref`` with the kernels: the write, then the attention (``meta``: ``AttentionMetadata``)."""
@@ -673,7 +685,6 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
         raise ValueError(f"latent cache block size {latent_cache.shape[1]} != metadata block_size {meta.block_size}")
     write_latent_cache(latent, latent_cache, meta.slot_mapping, kv_scale)
     t, h, d = query.shape
-    host_lens = None if meta.query_lens_cpu is None else (meta.query_lens_cpu, meta.seq_lens_cpu)
     rows, plan = None, None
     if meta.max_query_len <= 1:  # once per step, not per layer
         key = ("mla_rows", t)
@@ -685,7 +696,7 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
         key = ("mla_plan", t, pairs, latent_cache.shape[1])
         if key not in meta.step_cache:
             meta.step_cache[key] = step_plan(meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
-                                             latent_cache.shape[1], host_lens, pairs)
+                                             latent_cache.shape[1], host_lens_of(meta, t), pairs)
         plan = meta.step_cache[key]
     return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,
                          kv_scale, max_seq_len=meta.max_seq_len, rows=rows, max_query_len=meta.max_query_len,

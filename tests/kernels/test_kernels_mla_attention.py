@@ -15,6 +15,7 @@ from paged_backend.kernels.mla_attention import (
     DEQUANTIZE_MAX_BYTES,
     dequantize_blocks,
     dequantizes,
+    host_lens_of,
     mla_attention,
     mla_forward,
     pick_splits,
@@ -286,3 +287,17 @@ def test_a_step_with_chunks_sends_single_rows_to_the_decode_kernel_over_e4m3(spl
     if splits is None:
         assert meta.query_lens_cpu == lens[0] and meta.seq_lens_cpu == lens[1]
         assert torch.equal(mla_forward(q, latent, cache, meta, 0.125, 64, scale), got)
+
+
+def test_host_lengths_plan_a_step_only_where_they_describe_its_rows():
+    """A step padded for a CUDA graph (more requests than host lengths, or requests spread over padded rows)
+    is planned from the device alone: its single rows stay in the prefill kernel, the converted copy sized from
+    ``max_seq_len`` (the graph's bound), not from this step's lengths."""
+    seqs = [(20, 1, [7, 8]), (0, 11, [3, 1]), (5, 1, [2])]
+    _, _, meta, _, _ = _step(seqs, 4, 64, 32, torch.bfloat16, fp8=True)
+    assert host_lens_of(meta, 13) == ([1, 11, 1], [21, 11, 6])
+    assert host_lens_of(meta, 14) is None  # rows spread over padding
+    meta.query_lens_cpu, meta.seq_lens_cpu = [1, 11], [21, 11]  # a padding request beyond the host's
+    assert host_lens_of(meta, 12) is None
+    plan = step_plan(meta.seq_lens, meta.query_start_loc, 13, 64, 16, host_lens_of(meta, 12), True)
+    assert (plan.decode_rows, plan.chunk_slots, plan.chunk_blocks) == (0, 3, 16)
