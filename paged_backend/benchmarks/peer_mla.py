@@ -93,9 +93,9 @@ def _cell(bench: PeerCells, kind: str, h: int, b: int, c: int, caches: dict) -> 
         ref = mla_attention_ref(q[:n], cache, bt[:n], sl[:n], qsl[: n + 1], SCALE, KV_LORA, one)
         calls = {f"ours bs{bs}": lambda s, cache=cache, rows=rows: mla_attention(
             s[0], cache, s[1], s[2], s[3], SCALE, KV_LORA, one, max_seq_len=c, rows=rows)}
-        if fp8:  # the MMA operand choice over an e4m3 cache: fp16 (the default) against q's bf16
-            calls[f"ours bs{bs} bf16 dots"] = lambda s, cache=cache, rows=rows: mla_attention(
-                s[0], cache, s[1], s[2], s[3], SCALE, KV_LORA, one, max_seq_len=c, rows=rows, fp8_fp16_dots=False)
+        if fp8:  # the e4m3 cache read as bytes (head blocks up to 32 read word pairs by default: reads_pairs)
+            calls[f"ours bs{bs} bytes"] = lambda s, cache=cache, rows=rows: mla_attention(
+                s[0], cache, s[1], s[2], s[3], SCALE, KV_LORA, one, max_seq_len=c, rows=rows, fp8_pairs=False)
         calls.update(_peers(torch, cache, bs, fp8, c, h, sets, one))
         for who, fn in calls.items():
             try:
