@@ -10,8 +10,8 @@ One query token per request over a bf16 latent cache of 576 values a token (kv_l
                  latent as q_v / v (AOT scheduler metadata, at most 32 splits, as under its CUDA graphs)
     Triton-MLA   vLLM's TRITON_MLA backend kernel (``decode_attention_fwd``, its split count rule)
 
-fp8 cells (``--mla-fp8``) time ours (fp16 MMA operands, and q's bf16) and Triton-MLA over an e4m3 cache
-(scale 1). Every kernel is
+fp8 cells (``--mla-fp8``) time ours (the default: int16 word pairs up to 32-head blocks; and the cache read as
+bytes) and Triton-MLA over an e4m3 cache (scale 1). Every kernel is
 checked against ``mla_attention_ref`` on the first requests, then timed as CUDA-graph replays over
 rotating block tables (L2 cannot serve a rerun). The bandwidth counts the latents read plus q and out.
 """

@@ -31,8 +31,9 @@ e4m3 latents, 16-bit queries: decode reads the cache as int16 words of two value
 same way, and the even and odd output dims accumulate apart, so the latent tile is pipelined through shared
 memory and the value operand is a 16-bit tile (read as bytes, the compiler loads the transposed 8-bit value
 tile from shared memory one byte at a time and cannot pipeline the load that feeds both products). A step with
-prompt chunks follows ``step_plan``: given the host's query lengths, its single-row requests run in the decode
-kernel and its chunks in the prefill kernel, each kernel skipping the other's rows; the prefill kernel reads a
+prompt chunks follows ``step_plan``: given the host's query lengths (exactly the step's rows: not a step padded
+for a CUDA graph), its single-row requests' rows are gathered into the decode kernel and put back, the prefill
+kernel skipping them; the prefill kernel reads a
 16-bit copy of the chunks' blocks made first (``dequantize_blocks``: each block converted once, not once per
 tile of rows that reads it), within ``DEQUANTIZE_MAX_BYTES``.
 """
@@ -207,8 +208,6 @@ def _mla_attention_kernel(
     h_ok = heads < H
     req = tl.load(req_ptr + t)
     pos = tl.load(pos_ptr + t)
-    if pos < 0:
-        return  # a row of a prompt chunk, which the prefill kernel attends
     dv = tl.arange(0, DV)
     dr = tl.arange(0, DR)
     q_rows = q_ptr + t.to(tl.int64) * stride_qt + heads[:, None] * stride_qh
@@ -342,14 +341,12 @@ def _dequantize_blocks_kernel(cache_ptr, tables_ptr, seq_lens_ptr, base_ptr, out
 
 
 @triton.jit
-def _mla_merge_kernel(part_ptr, ml_ptr, scale_ptr, pos_ptr, out_ptr, H, T, stride_ot, stride_oh,
-                      SPLITS: tl.constexpr, DV: tl.constexpr):
+def _mla_merge_kernel(part_ptr, ml_ptr, scale_ptr, out_ptr, H, T, stride_ot, stride_oh, SPLITS: tl.constexpr,
+                      DV: tl.constexpr):
     """out[t, h] = sum_s exp(m_s - m) acc_s / sum_s exp(m_s - m) l_s * kv_scale, over the splits, one split at
     a time (a split without keys, l_s = 0, is skipped and its partial sum not read)."""
     t = tl.program_id(0)
     h = tl.program_id(1)
-    if tl.load(pos_ptr + t) < 0:
-        return  # not a decode row (the decode kernel skipped it)
     dv = tl.arange(0, DV)
     m = float("-inf")
     lsum = 0.0
@@ -386,7 +383,8 @@ def mla_attention(
     rows: tuple[torch.Tensor, torch.Tensor] | None = None,  # ``row_positions``, if the caller has them
     max_query_len: int | None = None,  # the step's most new rows of one request (host int); > 1: prefill kernel
     prefill_tile: tuple[int, int] | None = None,  # (ROWS, BLOCK_N) of the prefill kernel (default: prefill_tile_for)
-    fp8_fp16_dots: bool = True,  # e4m3 cache, 16-bit q: fp16 MMA operands (``mla_dot_dtype``); False: q's dtype
+    fp8_fp16_dots: bool = True,  # e4m3 read as bytes, 16-bit q: fp16 MMA operands (``mla_dot_dtype``); False: q's
+    # dtype (word pairs are always fp16: what their conversion gives)
     decode_tile: tuple[int, int, int] | None = None,  # decode (BLOCK_N, num_warps, num_stages): decode_tile_for
     fp8_pairs: bool = True,  # decode, e4m3 cache, 16-bit q: read as int16 words (``reads_pairs``); False: as bytes
     dequantize: bool = True,  # prefill, e4m3 cache, 16-bit q: convert the chunks' blocks first (``dequantizes``)
@@ -412,11 +410,17 @@ def mla_attention(
     pairs = fp8_pairs and reads_pairs(q.dtype, latent_cache.dtype, v_dim, rope, h)
     if max_query_len is None or max_query_len <= 1:
         req, pos = rows if rows is not None else row_positions(seq_lens, query_start_loc, t)
-        _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim, t, max_seq_len, splits,
+        _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim, max_seq_len, splits,
                 decode_tile, fp8_fp16_dots, pairs)
         return out
     if plan is None:
-        plan = step_plan(seq_lens, query_start_loc, t, max_seq_len, bs, host_lens, pairs)
+        plan = step_plan(seq_lens, query_start_loc, max_seq_len, bs, host_lens, pairs)
+    if plan.decode_rows:  # the single-row requests' rows, gathered, attended, put back
+        rows_d = plan.decode_row_ids
+        out_d = torch.empty((plan.decode_rows, h, v_dim), dtype=q.dtype, device=q.device)
+        _decode(q.index_select(0, rows_d), latent_cache, block_tables, plan.decode_req, plan.decode_pos, kv_scale,
+                out_d, scale, v_dim, plan.decode_max_seq_len, splits, decode_tile, fp8_fp16_dots, pairs)
+        out.index_copy_(0, rows_d, out_d)
     cache, tables, dots = latent_cache, block_tables, _dots(q.dtype, latent_cache.dtype, h, fp8_fp16_dots, False)
     if dequantize and dequantizes(q.dtype, latent_cache, plan.chunk_slots * plan.chunk_blocks):
         cache, tables = dequantize_blocks(latent_cache, block_tables, seq_lens, plan, q.dtype)
@@ -430,17 +434,15 @@ def mla_attention(
         DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SKIP_SINGLE=plan.decode_rows > 0,
         num_warps=4 if v_dim <= 128 else 8, num_stages=2,
     )
-    if plan.decode_rows:  # the single-row requests (the chunks' rows have pos -1: skipped)
-        _decode(q, latent_cache, block_tables, plan.decode_req, plan.decode_pos, kv_scale, out, scale, v_dim,
-                plan.decode_rows, plan.decode_max_seq_len, splits, decode_tile, fp8_fp16_dots, pairs)
     return out
 
 
 @dataclass(frozen=True)
 class StepPlan:
     """How a step with prompt chunks runs (once per step, every layer's): ``decode_rows`` single-row requests
-    (the longest ``decode_max_seq_len`` tokens) in the decode kernel at ``decode_req`` / ``decode_pos`` (-1: a
-    chunk's row), the rest in the prefill kernel (``decode_rows`` 0: every request). A converted copy of the
+    (the longest ``decode_max_seq_len`` tokens) in the decode kernel, gathered from rows ``decode_row_ids``
+    (int64) with their requests ``decode_req`` and positions ``decode_pos`` (int32), the rest in the prefill
+    kernel (``decode_rows`` 0: every request). A converted copy of the
     prefill kernel's blocks holds ``chunk_slots`` requests of ``chunk_blocks`` blocks, request r's from block
     ``chunk_base[r]`` (int32 on the device; -1: not in the copy)."""
 
@@ -451,10 +453,11 @@ class StepPlan:
     chunk_base: torch.Tensor
     decode_req: torch.Tensor | None = None
     decode_pos: torch.Tensor | None = None
+    decode_row_ids: torch.Tensor | None = None
 
 
-def step_plan(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_rows: int, max_seq_len: int,
-              block_size: int, host_lens: tuple[list[int], list[int]] | None, pairs: bool) -> StepPlan:
+def step_plan(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, max_seq_len: int, block_size: int,
+              host_lens: tuple[list[int], list[int]] | None, pairs: bool) -> StepPlan:
     """Single-row requests move to the decode kernel where it reads e4m3 word pairs (the prefill kernel would
     spend a 64-row tile on each, over e4m3 bytes) and the host has (query lens, seq lens); else none move.
     Device work only (no host sync)."""
@@ -466,12 +469,15 @@ def step_plan(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_rows: i
     qlens, lens = host_lens
     chunk_lens = [n for n, q in zip(lens, qlens, strict=True) if q > 1]
     chunk_blocks = _copy_width(max(chunk_lens), block_size)
-    is_chunk = (query_start_loc[1:] - query_start_loc[:-1]) > 1
+    qlens_d = query_start_loc[1:] - query_start_loc[:-1]
+    is_chunk = qlens_d > 1
     base = torch.where(is_chunk, (torch.cumsum(is_chunk, 0) - 1) * chunk_blocks, -1).to(torch.int32)
-    req, pos = row_positions(seq_lens, query_start_loc, num_rows)
-    pos = torch.where(is_chunk[req], -1, pos)
+    singles = qlens.count(1)  # their requests, in order: the first ``singles`` of a stable sort on qlen != 1
+    req = torch.argsort((qlens_d != 1).to(torch.int8), stable=True)[:singles]
+    row_ids = query_start_loc[req].long()
+    pos = (seq_lens[req] - 1).to(torch.int32)
     decode_len = max(n for n, q in zip(lens, qlens, strict=True) if q == 1)
-    return StepPlan(num_seqs - len(chunk_lens), decode_len, len(chunk_lens), chunk_blocks, base, req, pos)
+    return StepPlan(singles, decode_len, len(chunk_lens), chunk_blocks, base, req.to(torch.int32), pos, row_ids)
 
 
 COPY_TABLE_ALIGN = 16  # the converted copy's block-table rows are a multiple of this many blocks wide
@@ -492,10 +498,10 @@ def _dots(q_dtype: torch.dtype, cache_dtype: torch.dtype, num_heads: int, fp16_d
     return mla_dot_dtype(q_dtype, cache_dtype, _block_h(num_heads)) if fp16_dots else dot_dtype(q_dtype)
 
 
-def _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim, num_rows, max_seq_len, splits,
+def _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim, max_seq_len, splits,
             decode_tile, fp16_dots, pairs) -> None:
-    """The decode kernel over q's rows whose ``pos`` >= 0 (``num_rows`` of them, the longest ``max_seq_len``
-    tokens: they pick the context split), then the split merge."""
+    """The decode kernel over q's rows (request ``req``, position ``pos`` each; the longest ``max_seq_len``
+    tokens: it picks the context split), then the split merge."""
     t, h, d = q.shape
     bs = latent_cache.shape[1]
     block_h = _block_h(h)
@@ -504,7 +510,7 @@ def _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim
     max_blocks = -(-max_seq_len // bs)
     head_blocks = triton.cdiv(h, block_h)
     if splits is None:
-        splits = pick_splits(num_rows * head_blocks, max_blocks, _sm_count(q.device))
+        splits = pick_splits(t * head_blocks, max_blocks, _sm_count(q.device))
     splits = max(1, min(next_pow2(splits), next_pow2(max_blocks)))
     block_n, warps, stages = decode_tile or decode_tile_for(block_h, q.dtype, v_dim, pairs)
     per_split = triton.cdiv(triton.cdiv(max_blocks * bs, splits), block_n) * block_n  # keys
@@ -521,7 +527,7 @@ def _decode(q, latent_cache, block_tables, req, pos, kv_scale, out, scale, v_dim
         num_warps=warps, num_stages=stages,
     )
     if splits > 1:
-        _mla_merge_kernel[(t, h)](part, ml, kv_scale, pos, out, h, t, out.stride(0), out.stride(1), SPLITS=splits,
+        _mla_merge_kernel[(t, h)](part, ml, kv_scale, out, h, t, out.stride(0), out.stride(1), SPLITS=splits,
                                   DV=v_dim)
 
 
@@ -559,7 +565,8 @@ def warm_up(latent_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int
             kv_scale: torch.Tensor | None = None) -> int:
     """Compile every kernel variant a step can launch on this cache (one per context split count, up to the
     most ``pick_splits`` gives a single row of ``max_model_len`` tokens), by launching each once on one row
-    that reads only block 0 and writes nothing to the cache. Returns the variants launched (0 on the CPU)."""
+    that reads only block 0 and writes nothing to the cache. Returns the ``mla_attention`` calls made (0 on the
+    CPU)."""
     if latent_cache.device.type != "cuda":
         return 0
     dev, d, bs = latent_cache.device, latent_cache.shape[-1], latent_cache.shape[1]
@@ -573,20 +580,24 @@ def warm_up(latent_cache: torch.Tensor, query_dtype: torch.dtype, num_heads: int
     for splits in variants:
         mla_attention(q, latent_cache, tables, seq_lens, qsl, d**-0.5, v_dim, kv_scale, max_seq_len=max_blocks * bs,
                       splits=splits)
-    # the prefill kernel on a two-row chunk over one block (a short context: the converted copy fits)
+    # the prefill kernel on a two-row chunk over one block (a short context: the converted copy fits); over e4m3
+    # also reading e4m3 (a step too big to convert), and with 16-bit q the split step of a chunk beside a decode row
     q2 = torch.zeros((2, num_heads, d), dtype=query_dtype, device=dev)
     one_block = torch.full((1,), bs, dtype=torch.int32, device=dev)
     qsl2 = torch.tensor([0, 2], dtype=torch.int32, device=dev)
-    for dequantize in (True, False) if latent_cache.dtype == FP8_DTYPE else (True,):  # a step too big to convert
+    q3 = torch.zeros((3, num_heads, d), dtype=query_dtype, device=dev)
+    qsl3 = torch.tensor([0, 2, 3], dtype=torch.int32, device=dev)
+    split = reads_pairs(query_dtype, latent_cache.dtype, v_dim, d - v_dim, num_heads)
+    launched = len(variants)
+    for dequantize in (True, False) if latent_cache.dtype == FP8_DTYPE else (True,):
         mla_attention(q2, latent_cache, tables, one_block, qsl2, d**-0.5, v_dim, kv_scale, max_query_len=2,
                       max_seq_len=bs, dequantize=dequantize)
-    if not reads_pairs(query_dtype, latent_cache.dtype, v_dim, d - v_dim, num_heads):
-        return len(variants) + 1
-    # a chunk beside a decode row: the prefill kernel skipping single rows, the decode kernel skipping chunk rows
-    q3 = torch.zeros((3, num_heads, d), dtype=query_dtype, device=dev)
-    mla_attention(q3, latent_cache, tables.repeat(2, 1), one_block.repeat(2), torch.tensor([0, 2, 3], dtype=torch.int32,
-                  device=dev), d**-0.5, v_dim, kv_scale, max_query_len=2, max_seq_len=bs, host_lens=([2, 1], [bs, bs]))
-    return len(variants) + 2
+        launched += 1
+        if split:
+            mla_attention(q3, latent_cache, tables.repeat(2, 1), one_block.repeat(2), qsl3, d**-0.5, v_dim, kv_scale,
+                          max_query_len=2, max_seq_len=bs, host_lens=([2, 1], [bs, bs]), dequantize=dequantize)
+            launched += 1
+    return launched
 
 
 def _block_h(num_heads: int) -> int:
@@ -631,10 +642,9 @@ def reads_pairs(q_dtype: torch.dtype, cache_dtype: torch.dtype, v_dim: int, rope
 
 
 def mla_dot_dtype(q_dtype: torch.dtype, cache_dtype: torch.dtype, block_h: int):  # -> triton.language.dtype
-    """MMA operand type: q's, except fp16 over an e4m3 cache for 16-bit queries in head blocks of at most 32
-    (on the H200 ~1.4x faster than bf16 operands at 16 heads, slower at 64-head blocks:
-    ``bench peer --only mla --mla-fp8`` times both). The absorbed queries stay far inside fp16's range
-    (|q| < 65504), the probabilities in [0, 1]."""
+    """MMA operand type over a cache read as bytes: q's, except fp16 over an e4m3 cache for 16-bit queries in
+    head blocks of at most 32 (on the H200 ~1.4x faster than bf16 operands at 16 heads, slower at 64-head blocks,
+    2026-12-02). The absorbed queries stay far inside fp16's range (|q| < 65504), the probabilities in [0, 1]."""
     if (cache_dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16) and block_h <= 32
             and not interpreting()):
         return tl.float16
@@ -695,7 +705,7 @@ def mla_forward(query: torch.Tensor, latent: torch.Tensor, latent_cache: torch.T
         pairs = reads_pairs(query.dtype, latent_cache.dtype, v_dim, d - v_dim, h)
         key = ("mla_plan", t, pairs, latent_cache.shape[1])
         if key not in meta.step_cache:
-            meta.step_cache[key] = step_plan(meta.seq_lens, meta.query_start_loc, t, meta.max_seq_len,
+            meta.step_cache[key] = step_plan(meta.seq_lens, meta.query_start_loc, meta.max_seq_len,
                                              latent_cache.shape[1], host_lens_of(meta, t), pairs)
         plan = meta.step_cache[key]
     return mla_attention(query, latent_cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, scale, v_dim,

@@ -141,7 +141,7 @@ def test_compiled_warm_up_launches_every_variant_and_leaves_the_cache(fp8):
     before = cache.clone()
     launched = warm_up(cache, torch.bfloat16, 16, 512, max_model_len=2048, kv_scale=torch.tensor(0.1, device="cuda"))
     splits = pick_splits(1, 128, torch.cuda.get_device_properties(0).multi_processor_count).bit_length()
-    assert launched == splits + (2 if fp8 else 1)
+    assert launched == splits + (4 if fp8 else 1)  # fp8: converted / e4m3 prefill, each alone and beside a decode row
     torch.cuda.synchronize()
     assert torch.equal(cache.view(torch.uint8), before.view(torch.uint8))
 
@@ -245,7 +245,7 @@ def test_prefill_over_e4m3_latents_converts_the_steps_blocks_once(monkeypatch):
     ref_cache = cache.clone()
     write_latent_cache(latent, cache, meta.slot_mapping, scale)
     monkeypatch.setattr(mla_attention_module, "DEQUANTIZE_CHUNK", 512)  # a block (16 x 96 values) in three programs
-    plan = step_plan(meta.seq_lens, meta.query_start_loc, q.shape[0], 52, 16, None, True)  # no host lens: all
+    plan = step_plan(meta.seq_lens, meta.query_start_loc, 52, 16, None, True)  # no host lens: all
     # 4 blocks for the longest request, table rows 16 blocks wide (one compiled variant for every step)
     assert (plan.decode_rows, plan.chunk_slots, plan.chunk_blocks, plan.chunk_base.tolist()) == (0, 3, 16, [0, 16, 32])
     copy, tables = dequantize_blocks(cache, meta.block_tables, meta.seq_lens, plan, torch.bfloat16)
@@ -276,10 +276,11 @@ def test_a_step_with_chunks_sends_single_rows_to_the_decode_kernel_over_e4m3(spl
     want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 64, scale)
     write_latent_cache(latent, cache, meta.slot_mapping, scale)
     lens = ([1, 11, 1, 7, 1], [21, 11, 6, 52, 31])
-    plan = step_plan(meta.seq_lens, meta.query_start_loc, q.shape[0], 52, 16, lens, True)
+    plan = step_plan(meta.seq_lens, meta.query_start_loc, 52, 16, lens, True)
     assert (plan.decode_rows, plan.decode_max_seq_len, plan.chunk_slots, plan.chunk_blocks) == (3, 31, 2, 16)
     assert plan.chunk_base.tolist() == [-1, 0, -1, 16, -1]
-    assert plan.decode_pos.tolist() == [20] + [-1] * 11 + [5] + [-1] * 7 + [30]
+    assert plan.decode_req.tolist() == [0, 2, 4] and plan.decode_pos.tolist() == [20, 5, 30]
+    assert plan.decode_row_ids.tolist() == [0, 12, 20]  # rows of the single-row requests, nothing else
     args = (q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale)
     got = mla_attention(*args, max_query_len=11, max_seq_len=52, host_lens=lens, splits=splits)
     one_kernel = mla_attention(*args, max_query_len=11, max_seq_len=52)
@@ -299,5 +300,22 @@ def test_host_lengths_plan_a_step_only_where_they_describe_its_rows():
     assert host_lens_of(meta, 14) is None  # rows spread over padding
     meta.query_lens_cpu, meta.seq_lens_cpu = [1, 11], [21, 11]  # a padding request beyond the host's
     assert host_lens_of(meta, 12) is None
-    plan = step_plan(meta.seq_lens, meta.query_start_loc, 13, 64, 16, host_lens_of(meta, 12), True)
+    plan = step_plan(meta.seq_lens, meta.query_start_loc, 64, 16, host_lens_of(meta, 12), True)
     assert (plan.decode_rows, plan.chunk_slots, plan.chunk_blocks) == (0, 3, 16)
+
+
+def test_the_prefill_kernel_leaves_a_split_steps_single_rows_to_the_decode_kernel(monkeypatch):
+    """In a split step the decode kernel's rows are written first; the prefill kernel then writes the chunks'
+    rows only (a sentinel put where the decode kernel would write survives)."""
+    seqs = [(20, 1, [7, 8]), (0, 11, [3, 1]), (5, 1, [2])]
+    q, latent, meta, cache, scale = _step(seqs, 20, 64, 32, torch.bfloat16, fp8=True, seed=6)
+    ref_cache = cache.clone()
+    want = mla_forward_ref(q, latent, ref_cache, meta, 0.125, 64, scale)
+    write_latent_cache(latent, cache, meta.slot_mapping, scale)
+    monkeypatch.setattr(mla_attention_module, "_decode", lambda q, *args: args[5].fill_(7.0))  # out_d
+    got = mla_attention(q, cache, meta.block_tables, meta.seq_lens, meta.query_start_loc, 0.125, 64, scale,
+                        max_query_len=11, max_seq_len=21, host_lens=([1, 11, 1], [21, 11, 6]))
+    single = torch.tensor([0, 12])
+    assert bool((got[single] == 7.0).all())
+    chunk = torch.arange(1, 12)
+    assert not got[chunk].isnan().any() and _rel(got[chunk], want[chunk]) < 2e-2
