@@ -15,6 +15,7 @@ from __future__ import annotations
 import sys
 
 import torch
+
 from paged_backend.kernels.int4_gemm import int4_gemm
 
 
