@@ -95,13 +95,30 @@ def row_positions(seq_lens: torch.Tensor, query_start_loc: torch.Tensor, num_row
 
 
 @triton.jit
+def _key_rows(cache_ptr, table, stride_cb, keys, k_ok, BLOCK_SIZE: tl.constexpr, WIDTH: tl.constexpr):
+    """Pointers [keys, 1] to each key's latent (``WIDTH`` cache elements a token), through the block ``table``."""
+    block = tl.load(table + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
+    return cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * WIDTH
+
+
+@triton.jit
+def _softmax_update(s, visible, qk_scale, m_i, l_i):
+    """The online softmax over one step's scores ``s`` [rows, keys]: (p, the old sums' rescale, new max, new
+    denominator)."""
+    s = tl.where(visible, s * qk_scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp(s - m_new[:, None])
+    alpha = tl.exp(m_i - m_new)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok, visible, qk_scale, m_i, l_i, acc,
               BLOCK_SIZE: tl.constexpr, DV: tl.constexpr, DR: tl.constexpr, DOT_DTYPE: tl.constexpr,
               IEEE: tl.constexpr):
     """One online-softmax step over ``keys`` (gathered through the block ``table``; ``k_ok``: loaded,
     ``visible`` [rows, keys]: attended), both kernels' loop body; returns the new (m, l, acc)."""
-    block = tl.load(table + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-    base = cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * (DV + DR)
+    base = _key_rows(cache_ptr, table, stride_cb, keys, k_ok, BLOCK_SIZE, DV + DR)
     dv = tl.arange(0, DV)
     dr = tl.arange(0, DR)
     k_lat = tl.load(base + dv[None, :], mask=k_ok[:, None], other=0.0).to(DOT_DTYPE)
@@ -112,11 +129,7 @@ def _key_step(q_lat, q_pe, cache_ptr, table, stride_cb, keys, k_ok, visible, qk_
     else:
         s = tl.dot(q_lat, tl.trans(k_lat))
         s = tl.dot(q_pe, tl.trans(k_pe), s)
-    s = tl.where(visible, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_update(s, visible, qk_scale, m_i, l_i)
     if IEEE:
         acc = tl.dot(p.to(DOT_DTYPE), k_lat, acc * alpha[:, None], input_precision="ieee")
     else:
@@ -131,8 +144,7 @@ def _key_step_pairs(q_a, q_b, qr_a, qr_b, cache_ptr, table, stride_cb, keys, k_o
     """``_key_step`` over an e4m3 cache read as int16 words (``cache_ptr`` int16, ``stride_cb`` in words):
     ``e4m3_pairs`` splits each latent into its even (a) and odd (b) dims, the queries come split the same way,
     and the even and odd output dims accumulate apart (``acc_a``, ``acc_b``)."""
-    block = tl.load(table + keys // BLOCK_SIZE, mask=k_ok, other=0).to(tl.int64)
-    base = cache_ptr + block[:, None] * stride_cb + (keys % BLOCK_SIZE)[:, None] * ((DV + DR) // 2)
+    base = _key_rows(cache_ptr, table, stride_cb, keys, k_ok, BLOCK_SIZE, (DV + DR) // 2)
     jv = tl.arange(0, DV // 2)
     jr = tl.arange(0, DR // 2)
     k_a, k_b = e4m3_pairs(tl.load(base + jv[None, :], mask=k_ok[:, None], other=0), ASM)
@@ -143,11 +155,7 @@ def _key_step_pairs(q_a, q_b, qr_a, qr_b, cache_ptr, table, stride_cb, keys, k_o
     s = tl.dot(q_b, tl.trans(k_b), s)
     s = tl.dot(qr_a, tl.trans(r_a.to(DOT_DTYPE)), s)
     s = tl.dot(qr_b, tl.trans(r_b.to(DOT_DTYPE)), s)
-    s = tl.where(visible, s * qk_scale, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
-    p = tl.exp(s - m_new[:, None])
-    alpha = tl.exp(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
+    p, alpha, m_new, l_i = _softmax_update(s, visible, qk_scale, m_i, l_i)
     p = p.to(DOT_DTYPE)
     acc_a = tl.dot(p, k_a, acc_a * alpha[:, None])
     acc_b = tl.dot(p, k_b, acc_b * alpha[:, None])
@@ -537,7 +545,7 @@ DEQUANTIZE_CHUNK = 4096  # values a conversion program takes (a 16 x 576 block: 
 
 def dequantizes(q_dtype: torch.dtype, latent_cache: torch.Tensor, blocks: int) -> bool:
     """Whether a prefill step over an e4m3 cache first converts its requests' blocks to q's dtype: 16-bit q, and
-    ``blocks`` (requests x blocks of the longest) within ``DEQUANTIZE_MAX_BYTES``. The prefill kernel reads each
+    ``blocks`` (the copy's requests x its table width, ``StepPlan``) within ``DEQUANTIZE_MAX_BYTES``. The prefill kernel reads each
     key once per tile of rows that sees it; converting each block once and running the 16-bit kernel beats
     converting every read (at DeepSeek-V2-Lite's shapes the kernel over e4m3 ran 1.45x the bf16 kernel's
     time)."""
