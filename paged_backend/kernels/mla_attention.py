@@ -33,9 +33,9 @@ memory and the value operand is a 16-bit tile (read as bytes, the compiler loads
 tile from shared memory one byte at a time and cannot pipeline the load that feeds both products). A step with
 prompt chunks follows ``step_plan``: given the host's query lengths (exactly the step's rows: not a step padded
 for a CUDA graph), its single-row requests' rows are gathered into the decode kernel and put back, the prefill
-kernel skipping them; the prefill kernel reads a
-16-bit copy of the chunks' blocks made first (``dequantize_blocks``: each block converted once, not once per
-tile of rows that reads it), within ``DEQUANTIZE_MAX_BYTES``.
+kernel skipping them; the prefill kernel reads a 16-bit copy of the chunks' blocks made first
+(``dequantize_blocks``: each block converted once, not once per tile of rows that reads it), within
+``DEQUANTIZE_MAX_BYTES``.
 """
 
 from __future__ import annotations
@@ -434,11 +434,11 @@ def mla_attention(
         cache, tables = dequantize_blocks(latent_cache, block_tables, seq_lens, plan, q.dtype)
         dots = dot_dtype(q.dtype)
     rows_per, block_n = prefill_tile or prefill_tile_for(h, q.dtype)
-    num_seqs = seq_lens.shape[0]
-    _mla_prefill_kernel[(ragged_grid(t, num_seqs, rows_per), triton.cdiv(h, _block_h(h)))](
+    num_seqs, block_h = seq_lens.shape[0], _block_h(h)
+    _mla_prefill_kernel[(ragged_grid(t, num_seqs, rows_per), triton.cdiv(h, block_h))](
         q, cache, tables, seq_lens, query_start_loc, kv_scale, out, h, num_seqs, scale,
         q.stride(0), q.stride(1), cache.stride(0), tables.stride(0), out.stride(0), out.stride(1),
-        BLOCK_SIZE=bs, BLOCK_H=_block_h(h), ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
+        BLOCK_SIZE=bs, BLOCK_H=block_h, ROWS=rows_per, BLOCK_N=block_n, DV=v_dim, DR=rope,
         DOT_DTYPE=dots, IEEE=q.dtype == torch.float32, SKIP_SINGLE=plan.decode_rows > 0,
         num_warps=4 if v_dim <= 128 else 8, num_stages=2,
     )
@@ -450,9 +450,9 @@ class StepPlan:
     """How a step with prompt chunks runs (once per step, every layer's): ``decode_rows`` single-row requests
     (the longest ``decode_max_seq_len`` tokens) in the decode kernel, gathered from rows ``decode_row_ids``
     (int64) with their requests ``decode_req`` and positions ``decode_pos`` (int32), the rest in the prefill
-    kernel (``decode_rows`` 0: every request). A converted copy of the
-    prefill kernel's blocks holds ``chunk_slots`` requests of ``chunk_blocks`` blocks, request r's from block
-    ``chunk_base[r]`` (int32 on the device; -1: not in the copy)."""
+    kernel (``decode_rows`` 0: every request). A converted copy of the prefill kernel's blocks holds
+    ``chunk_slots`` requests of ``chunk_blocks`` blocks, request r's from block ``chunk_base[r]`` (int32 on the
+    device; -1: not in the copy)."""
 
     decode_rows: int
     decode_max_seq_len: int
@@ -545,10 +545,10 @@ DEQUANTIZE_CHUNK = 4096  # values a conversion program takes (a 16 x 576 block: 
 
 def dequantizes(q_dtype: torch.dtype, latent_cache: torch.Tensor, blocks: int) -> bool:
     """Whether a prefill step over an e4m3 cache first converts its requests' blocks to q's dtype: 16-bit q, and
-    ``blocks`` (the copy's requests x its table width, ``StepPlan``) within ``DEQUANTIZE_MAX_BYTES``. The prefill kernel reads each
-    key once per tile of rows that sees it; converting each block once and running the 16-bit kernel beats
-    converting every read (at DeepSeek-V2-Lite's shapes the kernel over e4m3 ran 1.45x the bf16 kernel's
-    time)."""
+    ``blocks`` (the copy's requests x its table width, ``StepPlan``) within ``DEQUANTIZE_MAX_BYTES``. The
+    prefill kernel reads each key once per tile of rows that sees it; converting each block once and running
+    the 16-bit kernel beats converting every read (at DeepSeek-V2-Lite's shapes the kernel over e4m3 ran 1.45x
+    the bf16 kernel's time)."""
     per_block = latent_cache.shape[1] * latent_cache.shape[2] * 2
     return (latent_cache.dtype == FP8_DTYPE and q_dtype in (torch.bfloat16, torch.float16)
             and blocks * per_block <= DEQUANTIZE_MAX_BYTES)
